@@ -1,0 +1,24 @@
+# The README's two commands, and the pieces they are made of.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MANIFEST ?= examples/local-fleet.yaml
+
+.PHONY: setup run test lint crds bench
+
+setup:
+	./scripts/setup.sh
+
+# The main job: a local fleet of real vLLM engines, their sidecars, Prometheus and the controller.
+run: setup
+	$(VENV)/bin/specserve local up $(MANIFEST)
+
+# Everything: lint, generated files up to date, unit, integration, engine, chart and rule tests.
+test: setup lint
+	PATH="$(CURDIR)/.cache/bin:$$PATH" $(PY) -m pytest -q -rs --timeout=1800
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+crds:
+	$(VENV)/bin/specserve crd --write crds/

