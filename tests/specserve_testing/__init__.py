@@ -1,0 +1,1 @@
+"""Test support shared by every suite (importable because pytest puts tests/ on sys.path)."""
