@@ -1,0 +1,167 @@
+"""A real Prometheus process on 127.0.0.1, for the local fleet and for tests.
+
+Debian's `prometheus` package provides the binary (scripts/setup.sh installs it); nothing here fakes it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+INSTALL_HINT = "install it with scripts/setup.sh (or: apt-get install prometheus)"
+
+
+class PrometheusError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    """A port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise PrometheusError(f"`{name}` was not found on PATH: {INSTALL_HINT}")
+    return path
+
+
+def scrape_config(
+    job: str, targets: Sequence[str], interval_s: float = 1.0, labels: dict | None = None
+) -> dict:
+    """One scrape job for targets given as host:port."""
+    static: dict = {"targets": list(targets)}
+    if labels:
+        static["labels"] = labels
+    return {"job_name": job, "scrape_interval": f"{interval_s:g}s", "static_configs": [static]}
+
+
+@dataclass
+class PrometheusProcess:
+    """Prometheus with its own config, rule files and data directory; stop() leaves no process behind."""
+
+    scrape_configs: list[dict] = field(default_factory=list)
+    rule_files: list[Path] = field(default_factory=list)
+    data_dir: Path | None = None
+    port: int | None = None
+    evaluation_interval_s: float = 1.0
+    log_path: Path | None = None
+    _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _workdir: Path | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> PrometheusProcess:
+        binary = require_binary("prometheus")
+        self._workdir = Path(tempfile.mkdtemp(prefix="specserve-prometheus-"))
+        self.data_dir = self.data_dir or self._workdir / "data"
+        self.port = self.port or free_port()
+        config = {
+            "global": {
+                "scrape_interval": "1s",
+                "evaluation_interval": f"{self.evaluation_interval_s:g}s",
+            },
+            "rule_files": [str(Path(p).resolve()) for p in self.rule_files],
+            "scrape_configs": self.scrape_configs,
+        }
+        config_path = self._workdir / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        log_path = self.log_path or self._workdir / "prometheus.log"
+        with open(log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={config_path}",
+                    f"--storage.tsdb.path={self.data_dir}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--web.enable-lifecycle",
+                    "--storage.tsdb.retention.time=30d",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: a Ctrl-C in the terminal reaches us only
+            )
+        self._wait_ready(timeout_s, log_path)
+        return self
+
+    def _wait_ready(self, timeout_s: float, log_path: Path) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self._proc.poll() if self._proc is not None else None
+            if code is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                self.stop()
+                hint = f" (is port {self.port} taken?)" if "address already in use" in tail else ""
+                raise PrometheusError(f"prometheus exited with code {code}{hint}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise PrometheusError(f"prometheus did not become ready on {self.url} within {timeout_s:.0f}s")
+
+    def reload(self) -> None:
+        """Re-read the configuration and rule files."""
+        req = urllib.request.Request(f"{self.url}/-/reload", method="POST")
+        with urllib.request.urlopen(req, timeout=5):
+            pass
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> PrometheusProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def backfill_openmetrics(openmetrics: str, data_dir: Path) -> None:
+    """Write OpenMetrics samples (ending with `# EOF`) into TSDB blocks that a Prometheus on `data_dir`
+    serves: deterministic history for tests, with `promtool tsdb create-blocks-from openmetrics`."""
+    promtool = require_binary("promtool")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".om", delete=False) as f:
+        f.write(openmetrics if openmetrics.rstrip().endswith("# EOF") else openmetrics.rstrip() + "\n# EOF\n")
+        src = f.name
+    try:
+        result = subprocess.run(
+            [promtool, "tsdb", "create-blocks-from", "openmetrics", src, str(data_dir)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise PrometheusError(f"promtool backfill failed: {result.stderr or result.stdout}")
+    finally:
+        Path(src).unlink(missing_ok=True)

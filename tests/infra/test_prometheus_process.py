@@ -1,0 +1,50 @@
+"""The real-Prometheus launcher that tests and the local fleet share."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from specserve_operator.local.prometheus import PrometheusError, PrometheusProcess, scrape_config
+
+
+def _query(url: str, expr: str, at: float) -> list[dict]:
+    q = urllib.parse.urlencode({"query": expr, "time": f"{at:.0f}"})
+    with urllib.request.urlopen(f"{url}/api/v1/query?{q}", timeout=5) as resp:
+        return json.load(resp)["data"]["result"]
+
+
+def test_backfilled_history_is_served(prometheus_factory) -> None:
+    now = time.time()
+    lines = ["# TYPE demo_requests counter"]
+    lines += [f'demo_requests_total{{pod="a"}} {i * 10} {now - 900 + i * 30:.0f}' for i in range(20)]
+    prom = prometheus_factory(openmetrics="\n".join(lines) + "\n# EOF\n")
+    result = _query(prom.url, "rate(demo_requests_total[5m])", now - 400)
+    assert result and result[0]["metric"]["pod"] == "a"
+    assert float(result[0]["value"][1]) == pytest.approx(10 / 30)
+
+
+def test_scrapes_a_live_target_and_stops_cleanly(prometheus_factory) -> None:
+    prom = prometheus_factory()
+    scraper = PrometheusProcess(scrape_configs=[scrape_config("self", [f"127.0.0.1:{prom.port}"])])
+    with scraper:
+        deadline = time.time() + 20
+        while time.time() < deadline and not _query(scraper.url, 'up{job="self"} == 1', time.time()):
+            time.sleep(0.5)
+        assert _query(scraper.url, 'up{job="self"} == 1', time.time())
+        port = scraper.port
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):  # nothing listens any more
+        s.connect(("127.0.0.1", port))
+
+
+def test_a_taken_port_is_reported(prometheus_factory) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(PrometheusError, match="port"):
+            PrometheusProcess(port=s.getsockname()[1]).start(timeout_s=20)
