@@ -1,0 +1,256 @@
+"""The local fleet's report: Markdown plus PNG plots, from the session's samples, decisions and
+request records. The numbers are plain functions of plain data (tested without servers); only
+`write_report` touches the disk."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specserve_engine.buckets import INF
+from specserve_operator.local.loadgen import RequestRecord
+from specserve_operator.local.samples import DecisionRecord, FleetSample, to_jsonable
+from specserve_operator.local.traffic import TrafficPattern
+
+# The runs of a session, in the order they are run and shown.
+RUN_SPECSERVE = "specserve"
+RUN_OFF = "off"
+RUN_STATIC = "static"
+RUN_ORDER = (RUN_SPECSERVE, RUN_OFF, RUN_STATIC)
+RUN_TITLES = {
+    RUN_SPECSERVE: "specserve (live controller)",
+    RUN_OFF: "plain decoding (speculation off)",
+    RUN_STATIC: "static speculation (max K everywhere)",
+}
+
+
+@dataclass(frozen=True)
+class PhaseStat:
+    run: str
+    index: int
+    phase: str
+    concurrency: int
+    duration_s: float
+    requests: int
+    failed: int
+    tokens: int
+    tokens_per_s: float
+    ms_per_token: float | None  # mean over requests of request latency / completion tokens
+
+
+def phase_stats(records: Sequence[RequestRecord], run: str, pattern: TrafficPattern) -> list[PhaseStat]:
+    """Per phase of one run: tokens of the requests that finished inside the phase, per second of phase."""
+    out: list[PhaseStat] = []
+    mine = [r for r in records if r.run == run]
+    for at in pattern.boundaries():
+        inside = [r for r in mine if at.start_s <= r.end_s < at.end_s]
+        ok = [r for r in inside if r.ok]
+        tokens = sum(r.completion_tokens for r in ok)
+        per_token = [(r.end_s - r.start_s) * 1000 / r.completion_tokens for r in ok if r.completion_tokens]
+        out.append(
+            PhaseStat(
+                run=run,
+                index=at.index,
+                phase=at.phase.name,
+                concurrency=at.phase.concurrency,
+                duration_s=at.phase.duration_s,
+                requests=len(inside),
+                failed=len(inside) - len(ok),
+                tokens=tokens,
+                tokens_per_s=tokens / at.phase.duration_s,
+                ms_per_token=sum(per_token) / len(per_token) if per_token else None,
+            )
+        )
+    return out
+
+
+def speculating_share_by_phase(samples: Sequence[FleetSample], run: str) -> dict[int, float]:
+    """Per phase index: the share of (sample, pod) observations in which the pod was speculating at its
+    current batch size. Pods whose sidecar did not answer are left out."""
+    counts: dict[int, list[int]] = {}
+    for s in samples:
+        if s.run != run or s.phase_index < 0:
+            continue
+        for pod in s.pods:
+            if pod.speculating is None:
+                continue
+            c = counts.setdefault(s.phase_index, [0, 0])
+            c[0] += pod.speculating
+            c[1] += 1
+    return {i: on / n for i, (on, n) in sorted(counts.items()) if n}
+
+
+def speculation_switches(samples: Sequence[FleetSample], run: str) -> list[tuple[float, str, bool]]:
+    """(time, pod, speculating) at every change of a pod's speculating state during the run."""
+    last: dict[str, bool] = {}
+    out: list[tuple[float, str, bool]] = []
+    for s in samples:
+        if s.run != run:
+            continue
+        for pod in s.pods:
+            now = pod.speculating
+            if now is None:
+                continue
+            if pod.pod in last and last[pod.pod] != now:
+                out.append((s.t_s, pod.pod, now))
+            last[pod.pod] = now
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Did the controller do its job on this traffic: off under load, on when quiet."""
+
+    busiest_phase: int
+    quietest_after_busy: int | None
+    share_busy: float
+    share_quiet_before: float | None
+    share_quiet_after: float | None
+    turned_off_under_load: bool
+    turned_back_on: bool
+
+
+def controller_verdict(
+    samples: Sequence[FleetSample], pattern: TrafficPattern, run: str = RUN_SPECSERVE, threshold: float = 0.5
+) -> Verdict:
+    shares = speculating_share_by_phase(samples, run)
+    phases = pattern.phases
+    busiest = max(range(len(phases)), key=lambda i: phases[i].concurrency)
+    peak = phases[busiest].concurrency
+    before = [i for i in range(busiest) if phases[i].concurrency < peak]
+    after = [i for i in range(busiest + 1, len(phases)) if phases[i].concurrency < peak]
+    quiet_before = min(before, key=lambda i: phases[i].concurrency) if before else None
+    quiet_after = min(after, key=lambda i: phases[i].concurrency) if after else None
+    share_busy = shares.get(busiest, math.nan)
+    # The controller needs a few ticks to see the load: judge the end of the busy phase and the end of the
+    # quiet phase after it, through the shares of the whole phases (robust to a late first decision).
+    share_after = shares.get(quiet_after) if quiet_after is not None else None
+    share_before = shares.get(quiet_before) if quiet_before is not None else None
+    switches = speculation_switches(samples, run)
+    busy_at = pattern.boundaries()[busiest]
+    off_in_busy = any(not on and busy_at.start_s <= t < busy_at.end_s for t, _, on in switches)
+    on_after = any(on and t >= busy_at.start_s for t, _, on in switches)
+    return Verdict(
+        busiest_phase=busiest,
+        quietest_after_busy=quiet_after,
+        share_busy=share_busy,
+        share_quiet_before=share_before,
+        share_quiet_after=share_after,
+        turned_off_under_load=off_in_busy or share_busy < threshold,
+        turned_back_on=on_after and share_after is not None and share_after > 0,
+    )
+
+
+@dataclass
+class ReportInput:
+    title: str
+    patterns: Mapping[str, TrafficPattern]  # run -> the pattern it ran (the comparison runs may be shorter)
+    samples: Sequence[FleetSample]
+    decisions: Sequence[DecisionRecord]
+    records: Sequence[RequestRecord]
+    mal_by_bucket: Mapping[str, Mapping[str, float]]  # run -> bucket -> MAL over the run
+    steps_by_bucket: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # run -> bucket -> steps
+    facts: Mapping[str, str] = field(default_factory=dict)  # model, drafters, replicas, machine ...
+
+
+def bucket_sort_key(bucket: str) -> float:
+    return math.inf if bucket == INF else float(bucket)
+
+
+def render_markdown(data: ReportInput, images: Sequence[str]) -> str:
+    runs = [r for r in RUN_ORDER if r in data.patterns]
+    stats = {r: phase_stats(data.records, r, data.patterns[r]) for r in runs}
+    lines = [f"# {data.title}", ""]
+    for key, value in data.facts.items():
+        lines.append(f"- **{key}**: {value}")
+    lines.append("")
+    if RUN_SPECSERVE in data.patterns:
+        v = controller_verdict(data.samples, data.patterns[RUN_SPECSERVE])
+        pattern = data.patterns[RUN_SPECSERVE]
+        lines += [
+            "## Did the controller follow the load?",
+            "",
+            f"- traffic: `{pattern.render()}` ({pattern.total_s:g} s)",
+            f"- speculating in the busiest phase ({pattern.phases[v.busiest_phase].name}, concurrency "
+            f"{pattern.phases[v.busiest_phase].concurrency}): {_pct(v.share_busy)} of pod samples "
+            f"→ turned off under load: **{'yes' if v.turned_off_under_load else 'no'}**",
+        ]
+        if v.share_quiet_before is not None:
+            lines.append(f"- speculating in the quiet phase before it: {_pct(v.share_quiet_before)}")
+        if v.share_quiet_after is not None:
+            lines.append(
+                f"- speculating in the quiet phase after it: {_pct(v.share_quiet_after)} "
+                f"→ turned back on: **{'yes' if v.turned_back_on else 'no'}**"
+            )
+        lines.append("")
+    lines += ["## Tokens per second, same traffic", ""]
+    header = "| phase | concurrency | " + " | ".join(RUN_TITLES[r] for r in runs) + " |"
+    lines += [header, "|" + "---|" * (2 + len(runs))]
+    n_phases = len(next(iter(stats.values()))) if stats else 0
+    for i in range(n_phases):
+        first = stats[runs[0]][i]
+        cells = [f"{stats[r][i].tokens_per_s:.1f} ({_ms(stats[r][i].ms_per_token)})" for r in runs]
+        lines.append(f"| {i + 1}. {first.phase} | {first.concurrency} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: generated tokens per second (mean milliseconds per output token of a request).", ""]
+    failed = {r: sum(s.failed for s in stats[r]) for r in runs}
+    total = {r: sum(s.requests for s in stats[r]) for r in runs}
+    lines += ["Requests: " + ", ".join(f"{r} {total[r]} ({failed[r]} failed)" for r in runs), ""]
+    if data.mal_by_bucket:
+        lines += ["## Mean accepted length per batch-size bucket", ""]
+        buckets = sorted({b for m in data.mal_by_bucket.values() for b in m}, key=bucket_sort_key)
+        mal_runs = [r for r in runs if r in data.mal_by_bucket]
+        lines += ["| bucket | " + " | ".join(mal_runs) + " |", "|" + "---|" * (1 + len(mal_runs))]
+        for b in buckets:
+            cells = [_num(data.mal_by_bucket[r].get(b)) for r in mal_runs]
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Decisions", ""]
+    if not data.decisions:
+        lines.append("The controller changed nothing.")
+    else:
+        lines += ["| run | t (s) | pod | action | reason |", "|---|---|---|---|---|"]
+        for d in data.decisions[-40:]:
+            lines.append(f"| {d.run} | {d.t_s:.0f} | {d.pod} | {d.action} | {d.reason} |")
+    lines.append("")
+    lines += ["## Plots", ""] + [f"![{Path(i).stem}]({i})" for i in images] + [""]
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f} ms/token"
+
+
+def _num(x: float | None) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+def write_report(folder: Path, data: ReportInput) -> Path:
+    """Write report.md, the plots and data.json into `folder`; returns the Markdown file's path."""
+    from specserve_operator.local import plots  # matplotlib only when a report is written
+
+    folder.mkdir(parents=True, exist_ok=True)
+    images = plots.draw_all(folder, data)
+    (folder / "data.json").write_text(
+        json.dumps(
+            {
+                "patterns": {r: p.render() for r, p in data.patterns.items()},
+                "facts": dict(data.facts),
+                "mal_by_bucket": {r: dict(m) for r, m in data.mal_by_bucket.items()},
+                "steps_by_bucket": {r: dict(m) for r, m in data.steps_by_bucket.items()},
+                "samples": to_jsonable(list(data.samples)),
+                "decisions": to_jsonable(list(data.decisions)),
+                "records": to_jsonable(list(data.records)),
+            },
+            indent=1,
+        )
+    )
+    md = folder / "report.md"
+    md.write_text(render_markdown(data, images))
+    return md

@@ -1,0 +1,124 @@
+"""The report's numbers (pure functions of samples and records) and the files it writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specserve_operator.local.loadgen import RequestRecord
+from specserve_operator.local.report import (
+    ReportInput,
+    controller_verdict,
+    phase_stats,
+    render_markdown,
+    speculating_share_by_phase,
+    speculation_switches,
+    write_report,
+)
+from specserve_operator.local.samples import DecisionRecord, FleetSample, PodSample
+from specserve_operator.local.traffic import parse_pattern
+
+PATTERN = parse_pattern("quiet:10:1,busy:10:8,quiet:10:1")
+K_TABLE = {"1": 4, "2": 4, "4": 2, "8": 0, "+Inf": 0}
+
+
+def _pod(batch: float, mode: str = "on", table: dict[str, int] | None = None) -> PodSample:
+    return PodSample("pod-0", batch, 10.0 * batch, 2.5, "draft", mode, table or K_TABLE, 1, (1, 2, 4, 8))
+
+
+def _samples(controller_works: bool) -> list[FleetSample]:
+    out = []
+    for t in range(30):
+        at = PATTERN.phase_at(t)
+        assert at is not None
+        batch = float(at.phase.concurrency)
+        # A working controller keeps K off at batch 8 via the table; a broken one runs K=4 everywhere.
+        table = K_TABLE if controller_works else dict.fromkeys(K_TABLE, 4)
+        # It takes the controller two seconds to turn speculation off at the start of the busy phase.
+        if controller_works and 10 <= t < 12:
+            table = dict.fromkeys(K_TABLE, 4)
+        out.append(
+            FleetSample(
+                "specserve", t, at.index, at.phase.name, at.phase.concurrency, 1, (_pod(batch, table=table),)
+            )
+        )
+    return out
+
+
+def test_share_and_switches_follow_the_load() -> None:
+    samples = _samples(controller_works=True)
+    shares = speculating_share_by_phase(samples, "specserve")
+    assert shares == {0: 1.0, 1: pytest.approx(0.2), 2: 1.0}
+    assert speculation_switches(samples, "specserve") == [(12, "pod-0", False), (20, "pod-0", True)]
+    v = controller_verdict(samples, PATTERN)
+    assert v.busiest_phase == 1 and v.quietest_after_busy == 2
+    assert v.turned_off_under_load and v.turned_back_on
+
+
+def test_verdict_fails_for_static_speculation() -> None:
+    v = controller_verdict(_samples(controller_works=False), PATTERN)
+    assert v.share_busy == 1.0
+    assert not v.turned_off_under_load
+    assert not v.turned_back_on
+
+
+def test_k_now_follows_mode_and_batch() -> None:
+    assert _pod(1).k_now == 4
+    assert _pod(3).k_now == 2
+    assert _pod(8).k_now == 0
+    assert _pod(1, mode="off").k_now == 0
+    assert PodSample("p", None, None, None, None, None).speculating is None
+
+
+def _records() -> list[RequestRecord]:
+    return [
+        RequestRecord("specserve", "pod-0", "code", "quiet", 0.0, 2.0, 20, True),
+        RequestRecord("specserve", "pod-0", "prose", "quiet", 2.0, 6.0, 20, True),
+        RequestRecord("specserve", "pod-0", "code", "busy", 10.0, 15.0, 50, True),
+        RequestRecord("specserve", "pod-0", "code", "busy", 11.0, 19.0, 0, False, "HTTP 500"),
+        RequestRecord("off", "pod-0", "code", "quiet", 0.0, 4.0, 40, True),
+    ]
+
+
+def test_phase_stats_count_tokens_by_finish_time() -> None:
+    stats = phase_stats(_records(), "specserve", PATTERN)
+    assert [s.tokens for s in stats] == [40, 50, 0]
+    assert [s.requests for s in stats] == [2, 2, 0]
+    assert [s.failed for s in stats] == [0, 1, 0]
+    assert stats[0].tokens_per_s == 4.0
+    assert stats[0].ms_per_token == pytest.approx((100 + 200) / 2)
+    assert stats[2].ms_per_token is None
+    off = phase_stats(_records(), "off", PATTERN.scaled(0.5))
+    assert off[0].tokens_per_s == 8.0
+
+
+def _input() -> ReportInput:
+    return ReportInput(
+        title="test fleet",
+        patterns={"specserve": PATTERN, "off": PATTERN.scaled(0.5), "static": PATTERN.scaled(0.5)},
+        samples=_samples(controller_works=True),
+        decisions=[DecisionRecord("specserve", 11.5, "pod-0", "disable", "batch 8 > cliff 4")],
+        records=_records(),
+        mal_by_bucket={"specserve": {"1": 2.6, "+Inf": 1.2, "4": 2.2}, "static": {"1": 2.5, "8": 1.9}},
+        facts={"model": "tiny"},
+    )
+
+
+def test_markdown_says_what_happened() -> None:
+    md = render_markdown(_input(), ["timeline.png"])
+    assert "turned off under load: **yes**" in md
+    assert "turned back on: **yes**" in md
+    assert "| 1 | 2.60 | 2.50 |" in md
+    assert "| +Inf | 1.20 | – |" in md
+    assert "batch 8 > cliff 4" in md
+    assert "![timeline](timeline.png)" in md
+
+
+def test_write_report_writes_plots(tmp_path: Path) -> None:
+    md = write_report(tmp_path / "report", _input())
+    names = sorted(p.name for p in md.parent.iterdir())
+    assert names == ["data.json", "mal_per_bucket.png", "report.md", "timeline.png", "tokens_per_s.png"]
+    for png in md.parent.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.stat().st_size > 10_000
