@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from specserve_engine.buckets import INF
 
 PodMode = Literal["on", "off"]
-DrafterStatus = Literal["loaded", "loading", "failed"]
+# available: configured and buildable, loaded (and warmed) when a policy first names it.
+DrafterStatus = Literal["loaded", "loading", "failed", "available"]
 # colocated: vLLM's own drafter inside the engine; sidecar: hosted by the sidecar on the engine's devices;
 # separateGpu: hosted by the sidecar on a GPU of its own, NVLink-connected to the target's.
 Placement = Literal["colocated", "sidecar", "separateGpu"]
@@ -86,6 +87,8 @@ class SidecarDrafter(_Wire):
     source: str | None = None  # a local path in the pod (the operator resolves hf://, pvc://, ... to it)
     max_speculative_tokens: int = Field(alias="maxSpeculativeTokens", ge=1, le=16)
     placement: Placement
+    # selfSpeculative only: how many of the target's first decoder layers draft (default: a quarter).
+    layers: int | None = Field(default=None, ge=1)
 
 
 class SidecarConfig(_Wire):

@@ -1,0 +1,213 @@
+"""`SidecarProposer`: vLLM's `custom_class` drafter that asks the sidecar for drafts over a Unix socket.
+
+Named in the engine's speculative config as
+`{"method": "custom_class", "model": "specserve_engine.vllm_plugins.proposer.SidecarProposer",
+"num_speculative_tokens": K_MAX}`. It runs inside the worker process, once per engine step, and must never
+stall the engine or fail a request: every call is bounded by a deadline (env SPECSERVE_DRAFT_DEADLINE_MS),
+and a late, broken or missing sidecar yields no drafts for that step. After a failure the socket is
+reopened at most once per `retry_s`, so a hung sidecar costs one deadline per retry, not one per step.
+
+vLLM gives the proposer no request ids, only the input-batch rows. Each row is tracked by what was last
+sent for it (length and CRC of those tokens); when the row's prefix no longer matches (the request
+finished and another took the row, or rows were condensed) the whole row is resent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specserve_engine.draft_protocol import (
+    DEADLINE_ENV,
+    DEFAULT_DEADLINE_MS,
+    SOCKET_NAME,
+    DraftRequest,
+    ProtocolError,
+    RowOp,
+    RowStatus,
+    RowUpdate,
+    decode_response,
+    encode_request,
+    recv_frame,
+)
+from specserve_engine.policy_file import RUNTIME_DIR_ENV
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sent:
+    length: int
+    crc: int
+
+
+class DraftClient:
+    """The socket side of the proposer, free of vLLM types so it is tested on plain arrays."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        max_k: int,
+        max_model_len: int,
+        vocab_size: int,
+        deadline_s: float = DEFAULT_DEADLINE_MS / 1000,
+        retry_s: float = 1.0,
+    ) -> None:
+        self.socket_path = str(socket_path)
+        self.max_k = max_k
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.deadline_s = deadline_s
+        self.retry_s = retry_s
+        self._sock: socket.socket | None = None
+        self._next_connect = 0.0
+        self._call_id = 0
+        self._sent: dict[int, _Sent] = {}
+        # Counters a test or benchmark can read: steps answered, steps without an answer.
+        self.answered = 0
+        self.missed = 0
+        self.last_rtt_s = 0.0
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def propose(
+        self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
+    ) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        rows: list[RowUpdate] = []
+        sent_now: dict[int, _Sent] = {}
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # a partial prefill: nothing to draft for
+                continue
+            length = int(num_tokens_no_spec[i])
+            room = min(self.max_k, self.max_model_len - length - 1)
+            if room <= 0:
+                continue
+            seq = np.ascontiguousarray(token_ids_cpu[i, :length], dtype=np.int32)
+            prev = self._sent.get(i)
+            if prev is not None and prev.length <= length and zlib.crc32(seq[: prev.length]) == prev.crc:
+                new = seq[prev.length :]
+                rows.append(RowUpdate(i, RowOp.APPEND, room, prev.length, new))
+                sent_now[i] = _Sent(length, zlib.crc32(new, prev.crc))
+            else:
+                rows.append(RowUpdate(i, RowOp.RESET, room, 0, seq))
+                sent_now[i] = _Sent(length, zlib.crc32(seq))
+        if not rows or not self._connect():
+            return drafts
+        self._call_id = (self._call_id + 1) & 0xFFFFFFFF
+        request = DraftRequest(self._call_id, len(sampled_token_ids), rows)
+        t0 = time.perf_counter()
+        try:
+            answers = self._round_trip(request, t0 + self.deadline_s)
+        except (OSError, ConnectionError, ProtocolError) as exc:
+            self._drop(f"no drafts this step: {exc!r}")
+            self.missed += 1
+            return drafts
+        self.last_rtt_s = time.perf_counter() - t0
+        self.answered += 1
+        self._sent.update(sent_now)
+        for update, answer in zip(rows, answers, strict=True):
+            if answer.status != RowStatus.OK:
+                self._sent.pop(update.row, None)
+                continue
+            drafts[update.row] = self._valid_prefix(answer.drafts, update.max_k)
+        return drafts
+
+    def _valid_prefix(self, tokens: list[int], limit: int) -> list[int]:
+        out = []
+        for t in tokens[:limit]:
+            if not 0 <= t < self.vocab_size:
+                break
+            out.append(t)
+        return out
+
+    def _round_trip(self, request: DraftRequest, deadline: float) -> list[Any]:
+        sock = self._sock
+        assert sock is not None
+        sock.settimeout(max(deadline - time.perf_counter(), 1e-4))
+        sock.sendall(encode_request(request))
+        while True:
+            sock.settimeout(max(deadline - time.perf_counter(), 1e-4))
+            body = recv_frame(sock)
+            if body is None:
+                raise ConnectionError("sidecar closed the socket")
+            response = decode_response(body)
+            if response.call_id != request.call_id:
+                continue  # cannot happen on a fresh connection; ignore rather than misattribute
+            if len(response.answers) != len(request.rows):
+                raise ProtocolError(f"{len(response.answers)} answers for {len(request.rows)} rows")
+            return response.answers
+
+    def _connect(self) -> bool:
+        if self._sock is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_connect:
+            return False
+        self._next_connect = now + self.retry_s
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.deadline_s)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            return False
+        self._sock = sock
+        self._sent.clear()  # the sidecar's tables are per connection: resend every row in full
+        log.info("specserve proposer connected to the sidecar at %s", self.socket_path)
+        return True
+
+    def _drop(self, why: str) -> None:
+        if self._sock is not None:
+            log.warning("specserve proposer: %s; reconnecting in %.1f s", why, self.retry_s)
+            self._sock.close()
+        self._sock = None
+        self._sent.clear()
+        self._next_connect = time.monotonic() + self.retry_s
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+
+
+def socket_path_from_env() -> Path:
+    return Path(os.environ.get(RUNTIME_DIR_ENV, "/run/specserve")) / SOCKET_NAME
+
+
+class SidecarProposer:
+    """vLLM custom_class proposer (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        spec = vllm_config.speculative_config
+        model = vllm_config.model_config
+        deadline_ms = float(os.environ.get(DEADLINE_ENV, DEFAULT_DEADLINE_MS))
+        self.client = DraftClient(
+            socket_path_from_env(),
+            max_k=int(spec.num_speculative_tokens),
+            max_model_len=int(model.max_model_len),
+            vocab_size=int(model.get_vocab_size()),
+            deadline_s=deadline_ms / 1000,
+        )
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load in the engine: the sidecar hosts the drafters."""
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        return self.client.propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
