@@ -20,12 +20,15 @@ def require_binary(name: str, purpose: str, install_hint: str) -> str:
     return path
 
 
+PROMETHEUS_HINT = (
+    "run `make setup` (it installs Debian's `prometheus` package), or `sudo apt-get install prometheus`, "
+    "then try again"
+)
+
+
 def require_prometheus() -> str:
     return require_binary(
-        "prometheus",
-        "the local fleet runs a real Prometheus that scrapes the engines",
-        "run `make setup` (it installs Debian's `prometheus` package), or "
-        "`sudo apt-get install prometheus`, then try again",
+        "prometheus", "the local fleet runs a real Prometheus that scrapes the engines", PROMETHEUS_HINT
     )
 
 

@@ -1,0 +1,207 @@
+"""From a SpeculativeServing manifest to the processes of a local fleet: pure, no process started.
+
+Each replica is what a pod would be: one `vllm serve` (B's EngineSpec) and one sidecar (SidecarConfig),
+sharing a runtime dir (the pod's emptyDir). Model sources (hf://org/name, pvc://claim/path,
+s3://bucket/path) resolve to a folder under the local models directory: everything after the scheme's
+first segment, e.g. `pvc://models/tiny/target` → `MODELS_DIR/tiny/target`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from specserve_engine.api import PolicyRequest, SidecarConfig, SidecarDrafter
+from specserve_engine.buckets import bucket_labels
+from specserve_engine.launch import EngineSpec
+from specserve_operator.api.models import (
+    DrafterSpec,
+    SpeculativeServing,
+    SpeculativeServingSpec,
+    describe_error,
+)
+from specserve_operator.local.errors import LocalFleetError
+
+DEFAULT_NAMESPACE = "local"
+
+
+def load_manifest(path: Path) -> SpeculativeServing:
+    """Read and validate a manifest; errors name the file and the field."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise LocalFleetError(
+            f"{path}: no such file", hint="pass a SpeculativeServing manifest, e.g. examples/local-fleet.yaml"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise LocalFleetError(f"{path}: not valid YAML: {exc}", hint="check the indentation") from None
+    if not isinstance(raw, dict) or raw.get("kind") != "SpeculativeServing":
+        kind = raw.get("kind") if isinstance(raw, dict) else None
+        raise LocalFleetError(
+            f"{path}: not a SpeculativeServing manifest (kind: {kind})",
+            hint="the file must hold one resource with `kind: SpeculativeServing`",
+        )
+    spec = raw.get("spec")
+    if not isinstance(spec, dict):
+        raise LocalFleetError(f"{path}: spec: missing or not a mapping", hint="see examples/local-fleet.yaml")
+    try:
+        SpeculativeServingSpec.model_validate(spec)
+        resource = SpeculativeServing.model_validate(raw)
+    except ValidationError as exc:
+        raise LocalFleetError(
+            f"{path}: the manifest does not validate: {describe_error(exc)}",
+            hint="fix the field named above; docs/crd-reference.md lists every field",
+        ) from None
+    if not resource.metadata.name:
+        raise LocalFleetError(f"{path}: metadata.name: required", hint="give the resource a name")
+    return resource
+
+
+def resolve_source(source: str, models_dir: Path, what: str) -> Path:
+    """The local folder a model source stands for (see the module docstring)."""
+    _scheme, sep, rest = source.partition("://")
+    parts = rest.split("/", 1) if sep else []
+    if len(parts) != 2 or not parts[1]:
+        raise LocalFleetError(f"{what}: {source!r} has no path after its first segment")
+    path = models_dir / parts[1]
+    if not path.exists():
+        raise LocalFleetError(
+            f"{what}: {source} resolves to {path}, which does not exist",
+            hint=f"the local fleet looks for models under {models_dir} (option --models-dir); "
+            "the tiny models come with the repository (scripts/train_tiny_models.py rebuilds them)",
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    name: str  # the pod's name
+    index: int
+    run_dir: Path  # logs and config of this replica
+    engine: EngineSpec
+    engine_port: int
+    sidecar: SidecarConfig
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://127.0.0.1:{self.engine_port}"
+
+    @property
+    def sidecar_url(self) -> str:
+        return f"http://127.0.0.1:{self.sidecar.port}"
+
+    @property
+    def sidecar_config_path(self) -> Path:
+        return self.run_dir / "sidecar.json"
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    namespace: str
+    name: str
+    spec: SpeculativeServingSpec
+    replicas: tuple[ReplicaPlan, ...]
+    token_file: Path
+    model_path: Path
+
+
+def initial_policy(spec: SpeculativeServingSpec) -> PolicyRequest:
+    """What every pod starts with: the initial drafter at its maximum K in every bucket (mode on and auto),
+    nothing at all with mode off."""
+    drafter = spec.initial_drafter
+    labels = bucket_labels(spec.speculation.batch_buckets)
+    if drafter is None or spec.speculation.mode == "off":
+        name = drafter.name if drafter else "none"
+        return PolicyRequest(policyVersion=1, drafter=name, mode="off", kByBucket=dict.fromkeys(labels, 0))
+    k = drafter.max_speculative_tokens
+    return PolicyRequest(policyVersion=1, drafter=drafter.name, mode="on", kByBucket=dict.fromkeys(labels, k))
+
+
+def engine_drafter(drafters: list[SidecarDrafter], initial: str | None) -> SidecarDrafter | None:
+    """The drafter the engine is started with: the initial one if vLLM runs it (colocated); otherwise the
+    sidecar's proposer sized for the largest K among the sidecar-hosted drafters."""
+    chosen = next((d for d in drafters if d.name == initial), None)
+    if chosen is not None and chosen.placement == "colocated":
+        return chosen
+    hosted = [d for d in drafters if d.placement != "colocated"]
+    return max(hosted, key=lambda d: d.max_speculative_tokens) if hosted else None
+
+
+def _sidecar_drafter(d: DrafterSpec, models_dir: Path, index: int) -> SidecarDrafter:
+    source = str(resolve_source(d.source, models_dir, f"spec.drafters[{index}].source")) if d.source else None
+    return SidecarDrafter(
+        name=d.name,
+        method=d.method,
+        source=source,
+        maxSpeculativeTokens=d.max_speculative_tokens,
+        placement=d.placement,
+    )
+
+
+def plan_fleet(
+    resource: SpeculativeServing,
+    *,
+    run_dir: Path,
+    models_dir: Path,
+    ports: list[int],
+    replicas: int | None = None,
+    kv_cache_gib: int = 1,
+    cpu_cores: int | None = None,
+) -> FleetPlan:
+    """Lay out every replica. `ports` supplies two free ports per replica (engine, sidecar)."""
+    spec = resource.spec
+    namespace = resource.metadata.namespace or DEFAULT_NAMESPACE
+    count = spec.replicas if replicas is None else replicas
+    if count < 1:
+        raise LocalFleetError(
+            "spec.replicas: the local fleet needs at least one replica", hint="set replicas: 1"
+        )
+    if len(ports) < 2 * count:
+        raise ValueError(f"ports: need {2 * count} free ports, got {len(ports)}")
+    model_path = resolve_source(spec.model.source, models_dir, "spec.model.source")
+    drafters = [_sidecar_drafter(d, models_dir, i) for i, d in enumerate(spec.drafters)]
+    initial = spec.initial_drafter
+    in_engine = engine_drafter(drafters, initial.name if initial else None)
+    colocated = in_engine.name if in_engine and in_engine.placement == "colocated" else None
+    cores = cpu_cores or os.cpu_count() or 1
+    token_file = run_dir / "sidecar-token"
+    plans = []
+    for i in range(count):
+        pod = f"{resource.metadata.name}-{i}"
+        pod_dir = run_dir / pod
+        runtime_dir = pod_dir / "runtime"
+        engine_port, sidecar_port = ports[2 * i], ports[2 * i + 1]
+        engine = EngineSpec(
+            model=str(model_path),
+            served_model_name=spec.model.name,
+            runtime_dir=str(runtime_dir),
+            drafter=in_engine,
+            port=engine_port,
+            max_model_len=spec.model.max_model_len or 512,
+            max_num_seqs=spec.engine.max_num_seqs,
+            bucket_bounds=tuple(spec.speculation.batch_buckets),
+            kv_cache_gib=kv_cache_gib,
+            # Engines share the cores: each gets an equal share of OpenMP threads, none pinned.
+            omp_num_threads=max(1, cores // count),
+            extra_args=tuple(spec.engine.extra_args),
+        )
+        sidecar = SidecarConfig(
+            modelName=spec.model.name,
+            modelPath=str(model_path),
+            drafters=drafters,
+            engineDrafter=colocated,
+            bucketBounds=list(spec.speculation.batch_buckets),
+            runtimeDir=str(runtime_dir),
+            tokenFile=str(token_file),
+            host="127.0.0.1",
+            port=sidecar_port,
+            engineUrl=f"http://127.0.0.1:{engine_port}",
+            warmupRequests=spec.speculation.warmup_requests,
+            initialPolicy=initial_policy(spec),
+        )
+        plans.append(ReplicaPlan(pod, i, pod_dir, engine, engine_port, sidecar))
+    return FleetPlan(namespace, resource.metadata.name, spec, tuple(plans), token_file, model_path)
