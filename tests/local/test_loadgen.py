@@ -1,0 +1,89 @@
+"""The load generator against a small OpenAI-completions server: concurrency follows the pattern, both
+domains are sent, replicas share the load, failures are recorded (the real engines are in the fleet test)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from aiohttp import web
+
+from specserve_operator.local.loadgen import LoadGenerator
+from specserve_operator.local.traffic import parse_pattern
+
+
+class CompletionsServer:
+    def __init__(self, fail_prompt: str | None = None) -> None:
+        self.in_flight = 0
+        self.peaks: list[tuple[float, int]] = []
+        self.prompts: Counter[str] = Counter()
+        self.fail_prompt = fail_prompt
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.prompts[body["prompt"]] += 1
+        self.in_flight += 1
+        self.peaks.append((asyncio.get_running_loop().time(), self.in_flight))
+        try:
+            await asyncio.sleep(0.05)
+        finally:
+            self.in_flight -= 1
+        if body["prompt"] == self.fail_prompt:
+            return web.json_response({"error": "boom"}, status=500)
+        return web.json_response({"usage": {"completion_tokens": body["max_tokens"]}})
+
+
+async def _serve(server: CompletionsServer) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", server.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_concurrency_follows_the_pattern_across_replicas() -> None:
+    servers = [CompletionsServer(), CompletionsServer()]
+    runners, urls = zip(*[await _serve(s) for s in servers], strict=True)
+    try:
+        gen = LoadGenerator(
+            endpoints={"a": urls[0], "b": urls[1]},
+            model="m",
+            prompts={"code": ["def f(", "class A:"], "prose": ["The sea"]},
+            max_tokens=7,
+        )
+        pattern = parse_pattern("quiet:0.6:1:1,busy:0.8:6:0,quiet2:0.6:2:0.5")
+        t0 = asyncio.get_running_loop().time()
+        records = await gen.run("specserve", pattern)
+    finally:
+        for r in runners:
+            await r.cleanup()
+    assert records and all(r.ok and r.completion_tokens == 7 for r in records)
+    by_phase = Counter(r.phase for r in records)
+    assert set(by_phase) == {"quiet", "busy", "quiet2"}
+    # quiet has one client: never two requests at once anywhere; busy's six are split over both replicas.
+    quiet_peak = max(n for s in servers for t, n in s.peaks if t - t0 < 0.55)
+    busy = [n for s in servers for t, n in s.peaks if 0.7 < t - t0 < 1.3]
+    assert quiet_peak == 1
+    assert max(busy) == 3
+    assert {r.domain for r in records if r.phase == "quiet"} == {"code"}
+    assert {r.domain for r in records if r.phase == "busy"} == {"prose"}
+    assert Counter(r.replica for r in records if r.phase == "busy").keys() == {"a", "b"}
+    assert gen.progress is not None and gen.progress.completed == len(records) and gen.progress.failed == 0
+    assert all(r.end_s >= r.start_s for r in records)
+
+
+async def test_failures_are_recorded() -> None:
+    server = CompletionsServer(fail_prompt="bad")
+    runner, url = await _serve(server)
+    try:
+        gen = LoadGenerator(endpoints={"a": url}, model="m", prompts={"code": ["bad"], "prose": ["ok"]})
+        records = await gen.run("off", parse_pattern("p:0.4:2"))
+    finally:
+        await runner.cleanup()
+    failed = [r for r in records if not r.ok]
+    assert failed and all(r.domain == "code" and "HTTP 500" in (r.error or "") for r in failed)
+    assert any(r.ok for r in records)
+    assert gen.progress is not None and gen.progress.failed == len(failed)
