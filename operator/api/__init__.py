@@ -1,0 +1,1 @@
+"""The SpeculativeServing API: pydantic models (the single source) and the CRD generated from them."""

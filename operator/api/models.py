@@ -1,0 +1,526 @@
+"""The SpeculativeServing custom resource (DESIGN §3): pydantic v2 models, the single source of the API.
+
+The CRD in crds/ is generated from these models (see `specserve_operator.api.crd`), and the cross-field
+rules below are mirrored there as CEL rules, so that the API server and the operator reject the same
+resources. Field names on the wire are camelCase; Python attributes are snake_case.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specserve_engine.api import Placement
+from specserve_engine.buckets import DEFAULT_BUCKETS
+
+GROUP = "specserve.io"
+VERSION = "v1alpha1"
+KIND = "SpeculativeServing"
+PLURAL = "speculativeservings"
+SINGULAR = "speculativeserving"
+SHORT_NAMES = ["specserve", "sps"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DrafterMethod = Literal[
+    "eagle3", "eagle", "medusa", "mtp", "draftModel", "ngram", "suffix", "selfSpeculative"
+]
+SpeculationMode = Literal["auto", "on", "off"]
+Phase = Literal["Pending", "Deploying", "Ready", "Degraded", "Failed"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+DRAFTER_METHODS: tuple[str, ...] = DrafterMethod.__args__  # type: ignore[attr-defined]
+PLACEMENTS: tuple[str, ...] = Placement.__args__  # type: ignore[attr-defined]
+
+# Which placements each method can run in (DESIGN §4). colocated = vLLM's own drafter inside the engine;
+# sidecar = hosted by the sidecar on the pod's own GPUs; separateGpu = hosted by the sidecar on its own GPU.
+METHODS_BY_PLACEMENT: dict[str, tuple[str, ...]] = {
+    "colocated": ("eagle3", "eagle", "medusa", "mtp", "draftModel", "ngram", "suffix"),
+    "sidecar": ("draftModel", "ngram", "suffix", "selfSpeculative"),
+    "separateGpu": ("draftModel", "selfSpeculative"),
+}
+# Methods that load weights of their own (a `source` is required) and methods that have none (forbidden).
+METHODS_NEEDING_SOURCE: tuple[str, ...] = ("eagle3", "eagle", "medusa", "draftModel")
+METHODS_WITHOUT_WEIGHTS: tuple[str, ...] = ("ngram", "suffix")
+
+MODEL_SOURCE_PATTERN = (
+    r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|s3://[^/\s]+/[^\s]*)$"
+)
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
+_DURATION_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_DRAFTERS = 16
+MAX_BUCKETS = 32
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Go-style duration such as "30s", "5m" or "1m30s"."""
+    if not re.fullmatch(DURATION_PATTERN, text):
+        raise ValueError(f"{text!r} is not a duration like '30s', '5m' or '1h30m'")
+    return sum(float(n) * _DURATION_UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    out = {"rule": rule, "message": message}
+    if field_path is not None:
+        out["fieldPath"] = field_path
+    return out
+
+
+def _quoted(names: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{n}'" for n in names) + "]"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The resource's JSON form: camelCase keys, unset optional fields left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+Duration = Annotated[str, Field(pattern=DURATION_PATTERN, max_length=32)]
+
+
+class ModelSpec(_Model):
+    """The target model the engine serves."""
+
+    name: str = Field(
+        min_length=1, max_length=128, description="The served model name (the OpenAI API's `model`)."
+    )
+    source: str = Field(
+        pattern=MODEL_SOURCE_PATTERN,
+        max_length=512,
+        description="Where the weights come from: hf://org/repo, pvc://claim/path or s3://bucket/path.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64, alias="tensorParallelSize", description="GPUs the target is sharded over."
+    )
+    max_model_len: int = Field(
+        default=8192, ge=16, le=1_048_576, alias="maxModelLen", description="Longest prompt plus output."
+    )
+
+
+class GpuSpec(_Model):
+    count: int = Field(default=1, ge=1, le=16, description="GPUs per pod for the engine (the target model).")
+    product: str | None = Field(
+        default=None,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*$",
+        description="The GPU product (node label nvidia.com/gpu.product), e.g. NVIDIA-H200; unset: any.",
+    )
+
+
+class EngineSpec(_Model):
+    """The vLLM engine container of each pod."""
+
+    image: str = Field(
+        min_length=1, max_length=512, description="Engine image: vLLM with the specserve plugins and sidecar."
+    )
+    gpu: GpuSpec = Field(default_factory=GpuSpec, description="GPUs for the engine container.")
+    max_num_seqs: int = Field(
+        default=256, ge=1, le=4096, alias="maxNumSeqs", description="Most sequences the engine batches."
+    )
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=64, alias="extraArgs", description="More `vllm serve` arguments."
+    )
+
+
+class DrafterSpec(_Model):
+    """One candidate drafter."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    f"self.placement != '{placement}' || self.method in {_quoted(methods)}",
+                    f"placement {placement} is allowed only for methods {', '.join(methods)}",
+                    ".placement",
+                )
+                for placement, methods in METHODS_BY_PLACEMENT.items()
+            ]
+            + [
+                _cel(
+                    f"!(self.method in {_quoted(METHODS_NEEDING_SOURCE)}) || has(self.source)",
+                    f"source is required for methods {', '.join(METHODS_NEEDING_SOURCE)}",
+                    ".source",
+                ),
+                _cel(
+                    f"!(self.method in {_quoted(METHODS_WITHOUT_WEIGHTS)}) || !has(self.source)",
+                    f"source must not be set for methods {', '.join(METHODS_WITHOUT_WEIGHTS)}",
+                    ".source",
+                ),
+            ]
+        }
+    )
+
+    name: str = Field(
+        min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN, description="Unique name of the drafter."
+    )
+    method: DrafterMethod = Field(description="How drafts are made.")
+    source: str | None = Field(
+        default=None,
+        pattern=MODEL_SOURCE_PATTERN,
+        max_length=512,
+        description="The drafter's weights (hf://, pvc://, s3://); required for eagle3, eagle, medusa, "
+        "draftModel; forbidden for ngram, suffix.",
+    )
+    max_speculative_tokens: int = Field(
+        default=4, ge=1, le=16, alias="maxSpeculativeTokens", description="The largest K this drafter runs."
+    )
+    placement: Placement = Field(
+        default="colocated",
+        description="colocated: in the engine on the target's GPUs; sidecar: in the sidecar on the same "
+        "GPUs; separateGpu: in the sidecar on a GPU of its own, NVLink-connected to the target's.",
+    )
+
+    @model_validator(mode="after")
+    def _method_fits_placement_and_source(self) -> DrafterSpec:
+        allowed = METHODS_BY_PLACEMENT[self.placement]
+        if self.method not in allowed:
+            raise ValueError(
+                f"placement: {self.placement} is allowed only for methods {', '.join(allowed)}, "
+                f"not {self.method}"
+            )
+        if self.method in METHODS_NEEDING_SOURCE and self.source is None:
+            raise ValueError(f"source: required for method {self.method}")
+        if self.method in METHODS_WITHOUT_WEIGHTS and self.source is not None:
+            raise ValueError(f"source: must not be set for method {self.method} (it has no weights)")
+        return self
+
+
+class SpeculationSpec(_Model):
+    """The speculation policy the controller enforces."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "duration(self.evaluationInterval) >= duration('1s')",
+                    "evaluationInterval must be at least 1s",
+                    ".evaluationInterval",
+                ),
+            ]
+        }
+    )
+
+    mode: SpeculationMode = Field(
+        default="auto",
+        description="auto: the controller decides per batch-size bucket; on: always speculate with the "
+        "default drafter at its maximum K; off: never speculate.",
+    )
+    default_drafter: str | None = Field(
+        default=None,
+        max_length=63,
+        alias="defaultDrafter",
+        description="The drafter pods start with; must name one of spec.drafters; unset: the first.",
+    )
+    batch_buckets: list[Annotated[int, Field(ge=1, le=65536)]] = Field(
+        default_factory=lambda: list(DEFAULT_BUCKETS),
+        min_length=1,
+        max_length=MAX_BUCKETS,
+        alias="batchBuckets",
+        description="Upper bounds of the batch-size buckets, strictly increasing; K is chosen per bucket.",
+        json_schema_extra={
+            "x-kubernetes-list-type": "set",
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.isSorted() && self.all(b, self.exists_one(c, c == b))",
+                    "batchBuckets must be strictly increasing",
+                ),
+            ],
+        },
+    )
+    mal_floor: float = Field(
+        default=2.0,
+        gt=1.0,
+        le=17.0,
+        alias="malFloor",
+        description="Mean accepted length below which a drafter is demoted (and the alert fires).",
+    )
+    min_gain: float = Field(
+        default=1.1,
+        ge=1.0,
+        le=10.0,
+        alias="minGain",
+        description="Speculate in a bucket only where predicted goodput gains at least this factor.",
+    )
+    evaluation_interval: Duration = Field(
+        default="30s", alias="evaluationInterval", description="How often the controller re-decides."
+    )
+    cooldown: Duration = Field(
+        default="5m", description="Least time between two changes of one kind (hysteresis, no flapping)."
+    )
+    warmup_requests: int = Field(
+        default=50,
+        ge=0,
+        le=100_000,
+        alias="warmupRequests",
+        description="Synthetic requests that warm a fresh drafter before it takes traffic.",
+    )
+    exploration_share: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=0.5,
+        alias="explorationShare",
+        description="Share of steps kept speculating where it is off, so acceptance stays measured.",
+    )
+
+    @field_validator("batch_buckets")
+    @classmethod
+    def _strictly_increasing(cls, buckets: list[int]) -> list[int]:
+        for a, b in itertools.pairwise(buckets):
+            if b <= a:
+                raise ValueError(f"must be strictly increasing ({a} then {b})")
+        return buckets
+
+    @field_validator("evaluation_interval", "cooldown")
+    @classmethod
+    def _parses(cls, text: str) -> str:
+        parse_duration(text)
+        return text
+
+    @field_validator("evaluation_interval")
+    @classmethod
+    def _at_least_a_second(cls, text: str) -> str:
+        if parse_duration(text) < 1.0:
+            raise ValueError("must be at least 1s")
+        return text
+
+    @property
+    def evaluation_interval_seconds(self) -> float:
+        return parse_duration(self.evaluation_interval)
+
+    @property
+    def cooldown_seconds(self) -> float:
+        return parse_duration(self.cooldown)
+
+
+class MonitoringSpec(_Model):
+    prometheus_url: str | None = Field(
+        default=None,
+        max_length=512,
+        pattern=r"^https?://[^\s]+$",
+        alias="prometheusUrl",
+        description="The Prometheus the controller queries; unset: the operator's default.",
+    )
+    service_monitor: bool = Field(
+        default=True,
+        alias="serviceMonitor",
+        description="Create a ServiceMonitor (when the Prometheus Operator's CRDs exist).",
+    )
+
+
+class SpeculativeServingSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.engine.gpu.count >= self.model.tensorParallelSize",
+                    "engine.gpu.count must be at least model.tensorParallelSize",
+                    ".engine.gpu.count",
+                ),
+                _cel(
+                    "self.drafters.all(d, self.drafters.exists_one(e, e.name == d.name))",
+                    "drafter names must be unique",
+                    ".drafters",
+                ),
+                _cel(
+                    "!has(self.speculation.defaultDrafter) || "
+                    "self.drafters.exists(d, d.name == self.speculation.defaultDrafter)",
+                    "speculation.defaultDrafter must name one of spec.drafters",
+                    ".speculation.defaultDrafter",
+                ),
+                _cel(
+                    "self.speculation.mode == 'off' || size(self.drafters) > 0",
+                    "speculation.mode auto or on needs at least one drafter",
+                    ".drafters",
+                ),
+                _cel(
+                    "self.drafters.all(d, d.method != 'mtp' || self.drafters.all(e, e.method != 'mtp' "
+                    "|| e.name == d.name))",
+                    "at most one mtp drafter (it uses the target's own MTP layers)",
+                    ".drafters",
+                ),
+            ]
+        }
+    )
+
+    replicas: int = Field(default=1, ge=0, le=1000, description="Engine pods.")
+    model: ModelSpec = Field(description="The target model.")
+    engine: EngineSpec = Field(description="The engine container.")
+    drafters: list[DrafterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_DRAFTERS,
+        description="Candidate drafters; names are unique.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    speculation: SpeculationSpec = Field(default_factory=SpeculationSpec, description="The policy.")
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Metrics.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> SpeculativeServingSpec:
+        if self.engine.gpu.count < self.model.tensor_parallel_size:
+            raise ValueError(
+                f"engine.gpu.count: {self.engine.gpu.count} GPUs cannot hold tensorParallelSize "
+                f"{self.model.tensor_parallel_size}"
+            )
+        seen: set[str] = set()
+        for i, drafter in enumerate(self.drafters):
+            if drafter.name in seen:
+                raise ValueError(f"drafters[{i}].name: duplicate drafter name {drafter.name!r}")
+            seen.add(drafter.name)
+        default = self.speculation.default_drafter
+        if default is not None and default not in seen:
+            raise ValueError(
+                f"speculation.defaultDrafter: {default!r} names no drafter "
+                f"(drafters: {', '.join(sorted(seen)) or 'none'})"
+            )
+        if self.speculation.mode != "off" and not self.drafters:
+            raise ValueError(f"drafters: speculation.mode {self.speculation.mode} needs at least one drafter")
+        if sum(d.method == "mtp" for d in self.drafters) > 1:
+            raise ValueError("drafters: at most one mtp drafter (it uses the target's own MTP layers)")
+        return self
+
+    @property
+    def initial_drafter(self) -> DrafterSpec | None:
+        """The drafter pods start with: defaultDrafter, else the first one."""
+        if not self.drafters:
+            return None
+        name = self.speculation.default_drafter
+        return next((d for d in self.drafters if d.name == name), self.drafters[0])
+
+    def drafter(self, name: str) -> DrafterSpec:
+        for d in self.drafters:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+
+# ---- status (written by the operator and the controller) -------------------------------------------
+
+
+class Condition(_Model):
+    """A Kubernetes-style condition (metav1.Condition)."""
+
+    type: str = Field(min_length=1, max_length=316, description="Ready, Deployed, Invalid, ...")
+    status: ConditionStatus
+    reason: str = Field(
+        default="",
+        max_length=1024,
+        description="CamelCase machine-readable reason.",
+        pattern=r"^([A-Za-z]\w*)?$",
+    )
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: datetime | None = Field(
+        default=None, alias="lastTransitionTime", description="When status last changed."
+    )
+    observed_generation: int | None = Field(default=None, ge=0, alias="observedGeneration")
+
+
+class FleetStatus(_Model):
+    mal: dict[str, float] = Field(default_factory=dict, description="Mean accepted length per bucket.")
+    mean_accepted_length: float | None = Field(
+        default=None, ge=0, alias="meanAcceptedLength", description="Fleet-wide MAL over all buckets."
+    )
+    acceptance_rate: float | None = Field(
+        default=None, ge=0.0, le=1.0, alias="acceptanceRate", description="Fleet-wide draft acceptance."
+    )
+    gpu_utilization: float | None = Field(
+        default=None, ge=0.0, le=1.0, alias="gpuUtilization", description="Mean GPU utilisation (0..1)."
+    )
+
+
+class PodStatus(_Model):
+    name: str
+    drafter: str | None = None
+    speculating: bool | None = None
+    batch_size: float | None = Field(default=None, ge=0, alias="batchSize", description="Mean batch size.")
+    mal: float | None = Field(default=None, ge=0)
+
+
+class Decision(_Model):
+    time: datetime
+    action: str = Field(max_length=63, description="e.g. enable, disable, setK, switchDrafter, hold.")
+    reason: str = Field(default="", max_length=1024)
+
+
+class SpeculativeServingStatus(_Model):
+    phase: Phase | None = Field(default=None, description="Pending, Deploying, Ready, Degraded or Failed.")
+    observed_generation: int | None = Field(default=None, ge=0, alias="observedGeneration")
+    replicas: int | None = Field(default=None, ge=0, description="Engine pods that exist.")
+    ready_replicas: int | None = Field(default=None, ge=0, alias="readyReplicas")
+    selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
+    active_drafter: str | None = Field(default=None, alias="activeDrafter")
+    k_by_bucket: dict[str, int] | None = Field(
+        default=None, alias="kByBucket", description="K in force per batch-size bucket (0 = off)."
+    )
+    cliff_batch_size: int | None = Field(
+        default=None, ge=0, alias="cliffBatchSize", description="First batch size where speculation stops."
+    )
+    fleet: FleetStatus | None = None
+    pods: list[PodStatus] | None = None
+    last_decision: Decision | None = Field(default=None, alias="lastDecision")
+    policy_version: int | None = Field(default=None, ge=0, alias="policyVersion")
+    conditions: list[Condition] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = ""
+    namespace: str | None = None
+
+
+class SpeculativeServing(_Model):
+    """A whole resource as the API server holds it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    api_version: Literal["specserve.io/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    kind: Literal["SpeculativeServing"] = KIND
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: SpeculativeServingSpec
+    status: SpeculativeServingStatus | None = None
+
+
+MAX_NAME_LENGTH = 49  # room for the longest child suffix ("-control-token") in a 63-character name
+
+
+def name_error(name: str) -> str | None:
+    """Why a resource name cannot be used for its children, or None."""
+    if len(name) > MAX_NAME_LENGTH:
+        return f"metadata.name: {len(name)} characters, at most {MAX_NAME_LENGTH} (children add suffixes)"
+    if not re.fullmatch(DNS_LABEL_PATTERN, name):
+        return f"metadata.name: {name!r} must be a DNS label (lower-case letters, digits, '-')"
+    return None
+
+
+def describe_error(exc: ValidationError, prefix: str = "spec") -> str:
+    """One line per problem, each naming the field: `spec.drafters[1].placement: ...`."""
+    lines = []
+    for err in exc.errors():
+        path = prefix
+        for part in err["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else f".{part}"
+        message = err["msg"]
+        if message.startswith("Value error, "):
+            message = message.removeprefix("Value error, ")
+            # A model-level rule names its field itself ("drafters[0].name: ...").
+            field, sep, rest = message.partition(": ")
+            if sep and re.fullmatch(r"[A-Za-z][\w.\[\]]*", field):
+                path, message = f"{path}.{field}", rest
+        lines.append(f"{path}: {message}")
+    return "; ".join(lines)
+
+
+def parse_spec(spec: dict[str, Any]) -> SpeculativeServingSpec:
+    """Validate a resource's spec (raises pydantic's ValidationError)."""
+    return SpeculativeServingSpec.model_validate(spec)
