@@ -1,0 +1,136 @@
+"""vLLM stat-logger plugin (`vllm.stat_logger_plugins` entry point): the engine metrics of DESIGN §5,
+per engine step, bucketed by the number of requests the step scheduled.
+
+vLLM calls `record()` in the API server once per engine-core message; a step's message carries its
+`SchedulerIterationDetails` (needs --enable-logging-iteration-details, which engine_args sets) and the
+spec-decoding stats of the drafts verified in that same step. Steps without iteration details (idle
+messages, DP dummies) are not engine steps and are not counted.
+
+`speculating` is "true" for a step that verified at least one draft token. Drafts are labelled with the
+colocated drafter's name (from --additional-config) or, for sidecar-hosted drafters, the drafter named
+by the policy file at the time of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from specserve_engine import metric_names as m
+from specserve_engine.buckets import bucket_for
+from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
+
+UNKNOWN_DRAFTER = "unknown"
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What one engine step contributes to the metrics (pure data; see `observe_step`)."""
+
+    bucket: str
+    speculating: bool
+    seconds: float
+    generated_tokens: int
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+    draft_tokens_per_position: tuple[int, ...]
+
+
+def observe_step(
+    scheduler_stats: Any, iteration_stats: Any, bucket_bounds: tuple[int, ...]
+) -> StepObservation | None:
+    """The step described by one `record()` call, or None when the call describes no engine step."""
+    details = getattr(scheduler_stats, "iteration_details", None) if scheduler_stats is not None else None
+    if details is None or details.is_dummy:
+        return None
+    batch = details.num_ctx_requests + details.num_generation_requests
+    if batch == 0:
+        return None
+    spec = scheduler_stats.spec_decoding_stats
+    draft_tokens = spec.num_draft_tokens if spec is not None else 0
+    return StepObservation(
+        bucket=bucket_for(batch, bucket_bounds),
+        speculating=draft_tokens > 0,
+        seconds=details.elapsed_ms / 1000.0,
+        generated_tokens=iteration_stats.num_generation_tokens if iteration_stats is not None else 0,
+        drafts=spec.num_drafts if spec is not None else 0,
+        draft_tokens=draft_tokens,
+        accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+        accepted_per_position=tuple(spec.num_accepted_tokens_per_pos) if spec is not None else (),
+        draft_tokens_per_position=tuple(spec.num_draft_tokens_per_pos) if spec is not None else (),
+    )
+
+
+class _EngineCounters:
+    """The plugin's Prometheus counters, registered once per process (vLLM may build a logger per engine)."""
+
+    _instance: _EngineCounters | None = None
+
+    def __init__(self) -> None:
+        def counter(metric: m.Metric) -> Counter:
+            return Counter(metric.name, metric.help, list(metric.labels), registry=REGISTRY)
+
+        self.steps = counter(m.ENGINE_STEPS)
+        self.step_seconds = counter(m.ENGINE_STEP_SECONDS)
+        self.generated_tokens = counter(m.ENGINE_GENERATED_TOKENS)
+        self.drafts = counter(m.SPEC_DRAFTS)
+        self.draft_tokens = counter(m.SPEC_DRAFT_TOKENS)
+        self.accepted_tokens = counter(m.SPEC_ACCEPTED_TOKENS)
+        self.accepted_per_position = counter(m.SPEC_ACCEPTED_TOKENS_PER_POSITION)
+        self.draft_tokens_per_position = counter(m.SPEC_DRAFT_TOKENS_PER_POSITION)
+
+    @classmethod
+    def get(cls) -> _EngineCounters:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+
+class SpecserveStatLogger(StatLoggerBase):
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        self._plugin = SpecservePluginConfig.from_vllm_config(vllm_config)
+        self._reader = self._plugin.policy_reader()
+        self._model = str(vllm_config.model_config.served_model_name)
+        self._counters = _EngineCounters.get()
+
+    def _drafter(self) -> str:
+        if self._plugin.drafter is not None:
+            return self._plugin.drafter
+        policy = self._reader.current()
+        return policy.drafter if policy is not None else UNKNOWN_DRAFTER
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        step = observe_step(scheduler_stats, iteration_stats, self._plugin.bucket_bounds)
+        if step is None:
+            return
+        c = self._counters
+        engine_labels = (self._model, step.bucket, "true" if step.speculating else "false")
+        c.steps.labels(*engine_labels).inc()
+        c.step_seconds.labels(*engine_labels).inc(step.seconds)
+        c.generated_tokens.labels(*engine_labels).inc(step.generated_tokens)
+        if step.drafts == 0:
+            return
+        spec_labels = (self._model, step.bucket, self._drafter())
+        c.drafts.labels(*spec_labels).inc(step.drafts)
+        c.draft_tokens.labels(*spec_labels).inc(step.draft_tokens)
+        c.accepted_tokens.labels(*spec_labels).inc(step.accepted_tokens)
+        for position, (accepted, drafted) in enumerate(
+            zip(step.accepted_per_position, step.draft_tokens_per_position, strict=True)
+        ):
+            if drafted:
+                c.accepted_per_position.labels(*spec_labels, str(position)).inc(accepted)
+                c.draft_tokens_per_position.labels(*spec_labels, str(position)).inc(drafted)
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to log: the metrics are the output."""

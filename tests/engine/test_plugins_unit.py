@@ -1,0 +1,92 @@
+"""The vLLM plugins' pure parts, on vLLM's own stats objects: the live-policy table and the step
+observation the stat logger records."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from vllm.v1.metrics.stats import IterationStats, SchedulerIterationDetails, SchedulerStats
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+from specserve_engine.policy_file import PodPolicy
+from specserve_engine.vllm_plugins.live_policy import lookup_for_policy
+from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
+from specserve_engine.vllm_plugins.stat_logger import observe_step
+
+BOUNDS = (1, 2, 4, 8)
+
+
+def policy(mode: str = "on", drafter: str = "ngram", **k: int) -> PodPolicy:
+    return PodPolicy(policy_version=1, drafter=drafter, mode=mode, k_by_bucket=k, bucket_bounds=BOUNDS)
+
+
+def test_lookup_follows_the_k_table_per_batch_size() -> None:
+    p = policy(**{"1": 4, "2": 3, "4": 2, "8": 1, "+Inf": 0})
+    table = lookup_for_policy(p.drafter, p.mode, p.schedule(12), "ngram", 12, 4)
+    # index = batch size (0 unused)
+    assert table[1:] == [4, 3, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_lookup_caps_k_at_the_startup_maximum() -> None:
+    p = policy(**{"1": 9, "2": 9, "4": 9, "8": 9, "+Inf": 9})
+    assert max(lookup_for_policy(p.drafter, p.mode, p.schedule(4), "ngram", 4, 3)) == 3
+
+
+def test_off_and_another_drafter_turn_the_engines_drafter_off() -> None:
+    on = {"1": 4, "2": 4, "4": 4, "8": 4, "+Inf": 4}
+    off = policy("off", **on)
+    assert lookup_for_policy(off.drafter, off.mode, off.schedule(8), "ngram", 8, 4) == [0] * 9
+    other = policy("on", drafter="eagle3", **on)
+    assert lookup_for_policy(other.drafter, other.mode, other.schedule(8), "ngram", 8, 4) == [0] * 9
+
+
+def test_plugin_config_reads_the_additional_config_block() -> None:
+    vllm_config = SimpleNamespace(
+        additional_config={"specserve": {"drafter": "ngram", "runtimeDir": "/r", "bucketBounds": [1, 4]}}
+    )
+    cfg = SpecservePluginConfig.from_vllm_config(vllm_config)
+    assert (cfg.drafter, cfg.runtime_dir, cfg.bucket_bounds) == ("ngram", "/r", (1, 4))
+    assert str(cfg.policy_reader().path) == "/r/policy.json"
+
+
+def _details(ctx: int, gen: int, ms: float = 20.0, dummy: bool = False) -> SchedulerIterationDetails:
+    return SchedulerIterationDetails(
+        iteration_index=0,
+        num_ctx_requests=ctx,
+        num_ctx_tokens=ctx * 10,
+        num_generation_requests=gen,
+        num_generation_tokens=gen,
+        elapsed_ms=ms,
+        is_dummy=dummy,
+    )
+
+
+def _iteration(tokens: int) -> IterationStats:
+    it = IterationStats()
+    it.num_generation_tokens = tokens
+    return it
+
+
+def test_a_speculating_step_is_bucketed_by_the_requests_it_scheduled() -> None:
+    spec = SpecDecodingStats.new(3)
+    spec.observe_draft(num_draft_tokens=3, num_accepted_tokens=2)
+    spec.observe_draft(num_draft_tokens=2, num_accepted_tokens=0)
+    stats = SchedulerStats(iteration_details=_details(ctx=1, gen=2, ms=12.5), spec_decoding_stats=spec)
+    step = observe_step(stats, _iteration(5), BOUNDS)
+    assert step is not None
+    assert (step.bucket, step.speculating, step.seconds, step.generated_tokens) == ("4", True, 0.0125, 5)
+    assert (step.drafts, step.draft_tokens, step.accepted_tokens) == (2, 5, 2)
+    assert step.accepted_per_position == (1, 1, 0)
+    assert step.draft_tokens_per_position == (2, 2, 1)
+
+
+def test_a_plain_step_and_a_large_batch() -> None:
+    step = observe_step(SchedulerStats(iteration_details=_details(0, 20)), _iteration(20), BOUNDS)
+    assert step is not None
+    assert (step.bucket, step.speculating, step.drafts) == ("+Inf", False, 0)
+
+
+def test_messages_that_are_not_steps_are_ignored() -> None:
+    assert observe_step(None, None, BOUNDS) is None
+    assert observe_step(SchedulerStats(), _iteration(1), BOUNDS) is None  # no iteration details
+    assert observe_step(SchedulerStats(iteration_details=_details(1, 0, dummy=True)), None, BOUNDS) is None

@@ -1,0 +1,163 @@
+"""Real vLLM engines on the tiny trained models, shared by every suite (a pytest plugin).
+
+vLLM takes about a minute to start on the CPU, so one session starts the colocated engines once, side
+by side, and every test reuses them: `plain_engine` (no speculation), `ngram_engine` and
+`draft_model_engine` (vLLM's own drafters, colocated). Each has its own runtime dir (policy file) and a
+per-step trace (SPECSERVE_STEP_TRACE). Tests that change an engine's policy must put back the full-K
+policy when done (`RunningEngine.reset_policy`).
+
+Also here: `complete` / `complete_many` (greedy completions) and `scrape` (the engine's /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specserve_engine.api import SidecarDrafter
+from specserve_engine.buckets import DEFAULT_BUCKETS, bucket_labels
+from specserve_engine.launch import EngineProcess, EngineSpec, start_engines
+from specserve_engine.policy_file import PodPolicy, write_policy
+from specserve_engine.vllm_plugins.live_policy import STEP_TRACE_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = REPO / "models"
+TARGET = MODELS / "tiny-target"
+DRAFT = MODELS / "tiny-draft"
+PROMPTS = MODELS / "prompts"
+DOMAINS = ("code", "prose")
+MAX_K = 4
+MAX_NUM_SEQS = 32
+ENGINE_START_TIMEOUT_S = float(os.environ.get("SPECSERVE_ENGINE_START_TIMEOUT_S", "900"))
+
+NGRAM = SidecarDrafter(name="ngram", method="ngram", maxSpeculativeTokens=MAX_K, placement="colocated")
+DRAFT_MODEL = SidecarDrafter(
+    name="tiny-draft", method="draftModel", source=str(DRAFT), maxSpeculativeTokens=MAX_K, placement="colocated"
+)
+
+
+def prompts(domain: str) -> list[str]:
+    return [json.loads(line)["prompt"] for line in (PROMPTS / f"{domain}.jsonl").read_text().splitlines()]
+
+
+@dataclass
+class RunningEngine:
+    name: str
+    process: EngineProcess
+    drafter: SidecarDrafter | None
+    runtime_dir: Path
+    trace_path: Path
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def full_k_policy(self, version: int) -> PodPolicy:
+        k = self.drafter.max_speculative_tokens if self.drafter else 0
+        return PodPolicy(
+            policy_version=version,
+            drafter=self.drafter.name if self.drafter else "none",
+            mode="on",
+            k_by_bucket={label: k for label in bucket_labels(DEFAULT_BUCKETS)},
+        )
+
+    def set_policy(self, policy: PodPolicy) -> None:
+        write_policy(policy, self.runtime_dir)
+
+    def reset_policy(self) -> None:
+        """Back to the start-up behaviour: K = the drafter's maximum in every bucket."""
+        self.set_policy(self.full_k_policy(version=0))
+
+    def trace(self) -> list[dict]:
+        """The scheduler's per-step records so far (see live_policy.step_record)."""
+        if not self.trace_path.exists():
+            return []
+        return [json.loads(line) for line in self.trace_path.read_text().splitlines() if line.strip()]
+
+
+async def complete(
+    session: aiohttp.ClientSession, engine: RunningEngine, prompt: str, max_tokens: int = 48
+) -> str:
+    """One greedy completion; raises on any HTTP error."""
+    body = {"model": engine.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    async with session.post(f"{engine.url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    return data["choices"][0]["text"]
+
+
+async def complete_many(engine: RunningEngine, prompts_: list[str], max_tokens: int = 48) -> list[str]:
+    """Greedy completions of all prompts, sent concurrently (they batch inside the engine)."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return list(await asyncio.gather(*(complete(session, engine, p, max_tokens) for p in prompts_)))
+
+
+async def scrape(engine: RunningEngine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The engine's /metrics as {(sample name, sorted labels): value}."""
+    async with aiohttp.ClientSession() as session, session.get(f"{engine.url}/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def _spec(name: str, drafter: SidecarDrafter | None, runtime_dir: Path) -> EngineSpec:
+    return EngineSpec(
+        model=str(TARGET),
+        served_model_name=name,
+        runtime_dir=str(runtime_dir),
+        drafter=drafter,
+        max_num_seqs=MAX_NUM_SEQS,
+        env={STEP_TRACE_ENV: str(runtime_dir / "steps.jsonl")},
+    )
+
+
+@pytest.fixture(scope="session")
+def colocated_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningEngine]]:
+    """The plain, ngram and draft-model engines, started together once per session."""
+    base = tmp_path_factory.mktemp("engines")
+    wanted = {"tiny-plain": None, "tiny-ngram": NGRAM, "tiny-draftmodel": DRAFT_MODEL}
+    specs = [_spec(name, drafter, base / name) for name, drafter in wanted.items()]
+    processes = start_engines(specs, base / "logs", timeout_s=ENGINE_START_TIMEOUT_S)
+    engines = {
+        spec.served_model_name: RunningEngine(
+            name=spec.served_model_name,
+            process=proc,
+            drafter=spec.drafter,
+            runtime_dir=Path(spec.runtime_dir),
+            trace_path=Path(spec.runtime_dir) / "steps.jsonl",
+        )
+        for spec, proc in zip(specs, processes, strict=True)
+    }
+    try:
+        yield engines
+    finally:
+        for proc in processes:
+            proc.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_engine(colocated_engines: dict[str, RunningEngine]) -> RunningEngine:
+    return colocated_engines["tiny-plain"]
+
+
+@pytest.fixture(scope="session")
+def ngram_engine(colocated_engines: dict[str, RunningEngine]) -> RunningEngine:
+    return colocated_engines["tiny-ngram"]
+
+
+@pytest.fixture(scope="session")
+def draft_model_engine(colocated_engines: dict[str, RunningEngine]) -> RunningEngine:
+    return colocated_engines["tiny-draftmodel"]
