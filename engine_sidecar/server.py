@@ -247,6 +247,7 @@ class SidecarService:
             return 200
         self.pending = req
         if req.drafter not in self._loads:
+            self.status[req.drafter] = ("loading", None)
             self._loads[req.drafter] = asyncio.create_task(self._load_then_apply(req.drafter))
         return 202
 
@@ -408,6 +409,7 @@ def _vocab_size(model_path: str) -> int:
 
 
 _epochs = itertools.count(1)
+_connections = itertools.count(1)  # process-wide: drafter state is keyed by connection
 
 
 @dataclass
@@ -448,7 +450,6 @@ class DraftSocketServer:
         self.service = service
         self.path = path
         self._listener: socket.socket | None = None
-        self._connections = itertools.count(1)
         self._open: set[socket.socket] = set()
         self._stopping = False
 
@@ -475,7 +476,7 @@ class DraftSocketServer:
             threading.Thread(target=self._serve, args=(conn,), name="draft-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        table = SequenceTable(next(self._connections))
+        table = SequenceTable(next(_connections))
         try:
             while True:
                 body = recv_frame(conn)
