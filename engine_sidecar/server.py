@@ -24,8 +24,12 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +82,7 @@ WARMUP_PROMPT_TOKENS = 48
 WARMUP_STEPS = 4
 ENGINE_POLL_S = 5.0
 WARMUP_CONNECTION = -1  # the key space of synthetic warm-up sequences
+DEVICE_ENV = "SPECSERVE_DRAFTER_DEVICE"
 LIGHT_METHODS = ("ngram", "suffix")  # no weights: loaded at start-up
 
 
@@ -150,7 +155,7 @@ class SidecarMetrics:
 class SidecarService:
     """The sidecar's state and every decision about it, without HTTP (tested directly)."""
 
-    def __init__(self, config: SidecarConfig, device: str = "cpu") -> None:
+    def __init__(self, config: SidecarConfig, device: str | None = None) -> None:
         self.config = config
         self.bounds = tuple(config.bucket_bounds)
         self.metrics = SidecarMetrics(config.bucket_bounds)
@@ -167,7 +172,7 @@ class SidecarService:
                 continue  # the engine runs a colocated drafter: it never calls the sidecar for drafts
             self.specs[spec.name] = spec
             try:
-                self.drafters[spec.name] = build_drafter(spec, config.model_path, device)
+                self.drafters[spec.name] = build_drafter(spec, config.model_path, device or drafter_device())
                 self.status[spec.name] = ("available", None)
             except DrafterError as exc:
                 self.status[spec.name] = ("failed", str(exc))
@@ -401,6 +406,12 @@ class SidecarService:
                     drafter.forget(connection)
 
 
+def drafter_device() -> str:
+    """Where model drafters run: SPECSERVE_DRAFTER_DEVICE, else the container's GPU, else the CPU. With
+    placement separateGpu the pod gives the sidecar container a GPU of its own, seen here as cuda:0."""
+    return os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _vocab_size(model_path: str) -> int:
     try:
         return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
@@ -609,6 +620,68 @@ async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> Non
         watcher.cancel()
         sockets.stop()
         await runner.cleanup()
+
+
+# --- a sidecar as a child process (the tests, the benchmark, the local fleet) ---------------------
+@dataclass
+class SidecarProcess:
+    config: SidecarConfig
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        return f"http://{host}:{self.config.port}"
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until /readyz answers 200 (the initial drafter is loaded and warm)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"sidecar exited with {self.process.returncode}; log tail:\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"sidecar not ready at {self.url} after {timeout_s:.0f} s; log {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL: the sidecar dies without closing anything (the socket file stays behind)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def start_sidecar(config: SidecarConfig, workdir: str | os.PathLike[str]) -> SidecarProcess:
+    """Write the config to `workdir` and start `specserve-sidecar` on it (does not wait for ready)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "sidecar.json"
+    config_path.write_text(config.model_dump_json(by_alias=True))
+    log_path = workdir / "sidecar.log"
+    with open(log_path, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "specserve_engine.server", "--config", str(config_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return SidecarProcess(config, process, log_path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,12 +55,12 @@ class ModelDrafter(Drafter):
         length = len(seq.tokens)
         if cache.length == length:  # nothing new: recompute the last token to get its logits
             cache.length -= 1
-        new = torch.from_numpy(seq.tokens[cache.length :].astype("int64"))
+        new = torch.from_numpy(seq.tokens[cache.length :].astype("int64")).to(model.device)
         logits = model.forward(new, cache, cache.length)
         cache.length = length
         out = [int(logits.argmax())]
         while len(out) < k:
-            logits = model.forward(torch.tensor([out[-1]]), cache, length + len(out) - 1)
+            logits = model.forward(torch.tensor([out[-1]], device=model.device), cache, length + len(out) - 1)
             out.append(int(logits.argmax()))
         return out
 
