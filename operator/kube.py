@@ -1,0 +1,240 @@
+"""The operator's Kubernetes API I/O: get, create-or-patch (server-side apply), delete, discovery.
+
+A small aiohttp client rather than a generated one: the operator needs five verbs on a handful of kinds,
+all as plain dicts (what the pure renderers produce). Credentials come from the pod's service account
+in the cluster, else from the kubeconfig (KUBECONFIG or ~/.kube/config), as kopf itself does.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+FIELD_MANAGER = "specserve-operator"
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+# kind -> plural, for the kinds the operator touches.
+PLURALS: dict[str, str] = {
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "Service": "services",
+    "Deployment": "deployments",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "ServiceMonitor": "servicemonitors",
+    "Pod": "pods",
+    "Event": "events",
+    "SpeculativeServing": "speculativeservings",
+}
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Connection:
+    server: str
+    token: str | None = None
+    token_path: Path | None = None  # re-read per request: service-account tokens rotate
+    ca_path: str | None = None
+    cert_path: str | None = None
+    key_path: str | None = None
+    insecure: bool = False
+
+    def bearer(self) -> str | None:
+        if self.token_path is not None:
+            return self.token_path.read_text().strip()
+        return self.token
+
+
+def connection_from_environment() -> Connection:
+    """In the cluster: the service account. Outside: the kubeconfig's current context."""
+    import kubernetes.config
+    from kubernetes.client import Configuration
+
+    if (SERVICE_ACCOUNT_DIR / "token").exists():
+        import os
+
+        host = os.environ["KUBERNETES_SERVICE_HOST"]
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        return Connection(
+            server=f"https://{host}:{port}",
+            token_path=SERVICE_ACCOUNT_DIR / "token",
+            ca_path=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
+        )
+    config = Configuration()
+    kubernetes.config.load_kube_config(client_configuration=config)
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    token = header.split(" ", 1)[-1] if header else None
+    return Connection(
+        server=config.host,
+        token=token,
+        ca_path=config.ssl_ca_cert,
+        cert_path=config.cert_file,
+        key_path=config.key_file,
+        insecure=not config.verify_ssl,
+    )
+
+
+def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    plural = PLURALS[kind]
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if namespace is not None:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    return base + (f"/{name}" if name else "")
+
+
+@dataclass
+class KubeApi:
+    connection: Connection
+    _session: aiohttp.ClientSession | None = field(default=None, init=False, repr=False)
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            ssl_context: ssl.SSLContext | bool = not self.connection.insecure
+            if not self.connection.insecure and self.connection.server.startswith("https"):
+                context = ssl.create_default_context(cafile=self.connection.ca_path)
+                if self.connection.cert_path and self.connection.key_path:
+                    context.load_cert_chain(self.connection.cert_path, self.connection.key_path)
+                ssl_context = context
+            self._session = aiohttp.ClientSession(
+                base_url=self.connection.server,
+                connector=aiohttp.TCPConnector(ssl=ssl_context),
+                timeout=aiohttp.ClientTimeout(total=30),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        token = self.connection.bearer()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        session = await self._http()
+        async with session.request(method, path, data=data, headers=headers, params=params) as response:
+            text = await response.text()
+            if response.status >= 400:
+                try:
+                    message = json.loads(text).get("message", text)
+                except ValueError:
+                    message = text
+                raise KubeError(response.status, str(message)[:500])
+            return json.loads(text) if text else {}
+
+    async def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str
+    ) -> dict[str, Any] | None:
+        try:
+            return await self._request("GET", object_path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, api_version: str, kind: str, namespace: str | None) -> list[dict[str, Any]]:
+        return (await self._request("GET", object_path(api_version, kind, namespace))).get("items", [])
+
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        meta = body["metadata"]
+        return await self._request(
+            "POST", object_path(body["apiVersion"], body["kind"], meta.get("namespace")), body=body
+        )
+
+    async def apply(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Create or patch to exactly `body` (server-side apply: fields dropped from `body` are removed).
+
+        Falls back to a create where the server answers 404 (fake API servers without apply)."""
+        meta = body["metadata"]
+        path = object_path(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
+        try:
+            return await self._request(
+                "PATCH",
+                path,
+                body=body,
+                content_type="application/apply-patch+yaml",
+                params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            )
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+        return await self.create(body)
+
+    async def create_if_absent(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The existing object, or a new one from `body`; True when it was created now."""
+        meta = body["metadata"]
+        existing = await self.get(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
+        if existing is not None:
+            return existing, False
+        try:
+            return await self.create(body), True
+        except KubeError as exc:
+            if exc.status != 409:  # another operator replica won the race: theirs stands
+                raise
+        existing = await self.get(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
+        if existing is None:
+            raise KubeError(409, f"{body['kind']} {meta['name']} conflicted and then vanished")
+        return existing, False
+
+    async def merge_patch(
+        self, api_version: str, kind: str, namespace: str | None, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        return await self._request(
+            "PATCH",
+            object_path(api_version, kind, namespace, name),
+            body=patch,
+            content_type="application/merge-patch+json",
+        )
+
+    async def patch_status(
+        self, api_version: str, kind: str, namespace: str | None, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Merge-patch the status subresource."""
+        return await self._request(
+            "PATCH",
+            object_path(api_version, kind, namespace, name) + "/status",
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        try:
+            await self._request("DELETE", object_path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def has_resource(self, group_version: str, plural: str) -> bool:
+        """Whether the API server serves this resource (e.g. monitoring.coreos.com/v1 servicemonitors)."""
+        try:
+            listing = await self._request("GET", f"/apis/{group_version}")
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in listing.get("resources", []))
