@@ -40,7 +40,11 @@ ENGINE_START_TIMEOUT_S = float(os.environ.get("SPECSERVE_ENGINE_START_TIMEOUT_S"
 
 NGRAM = SidecarDrafter(name="ngram", method="ngram", maxSpeculativeTokens=MAX_K, placement="colocated")
 DRAFT_MODEL = SidecarDrafter(
-    name="tiny-draft", method="draftModel", source=str(DRAFT), maxSpeculativeTokens=MAX_K, placement="colocated"
+    name="tiny-draft",
+    method="draftModel",
+    source=str(DRAFT),
+    maxSpeculativeTokens=MAX_K,
+    placement="colocated",
 )
 
 
@@ -80,7 +84,8 @@ class RunningEngine:
         """The scheduler's per-step records so far (see live_policy.step_record)."""
         if not self.trace_path.exists():
             return []
-        return [json.loads(line) for line in self.trace_path.read_text().splitlines() if line.strip()]
+        complete_lines = self.trace_path.read_text().rpartition("\n")[0]  # the last line may be half-written
+        return [json.loads(line) for line in complete_lines.splitlines() if line.strip()]
 
 
 async def complete(
