@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hmac
 import itertools
 import json
@@ -614,6 +615,7 @@ async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> Non
     watcher = asyncio.create_task(watch_engine(service, config.engine_url))
     try:
         await service.start()
+        gc.freeze()  # long-lived objects (weights, modules) leave the collector's scans: steadier draft calls
         log.info("sidecar ready")
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:
