@@ -15,8 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from specserve_engine.api import PolicyRequest, SidecarConfig, SidecarDrafter
-from specserve_engine.buckets import bucket_labels
+from specserve_engine.api import SidecarConfig, SidecarDrafter
 from specserve_engine.launch import EngineSpec
 from specserve_operator.api.models import (
     DrafterSpec,
@@ -25,6 +24,7 @@ from specserve_operator.api.models import (
     describe_error,
 )
 from specserve_operator.local.errors import LocalFleetError
+from specserve_operator.render.children import engine_drafter, initial_policy
 
 DEFAULT_NAMESPACE = "local"
 
@@ -105,30 +105,9 @@ class FleetPlan:
     name: str
     spec: SpeculativeServingSpec
     replicas: tuple[ReplicaPlan, ...]
+    run_dir: Path  # everything of this run: logs, configs, Prometheus' data, the report
     token_file: Path
     model_path: Path
-
-
-def initial_policy(spec: SpeculativeServingSpec) -> PolicyRequest:
-    """What every pod starts with: the initial drafter at its maximum K in every bucket (mode on and auto),
-    nothing at all with mode off."""
-    drafter = spec.initial_drafter
-    labels = bucket_labels(spec.speculation.batch_buckets)
-    if drafter is None or spec.speculation.mode == "off":
-        name = drafter.name if drafter else "none"
-        return PolicyRequest(policyVersion=1, drafter=name, mode="off", kByBucket=dict.fromkeys(labels, 0))
-    k = drafter.max_speculative_tokens
-    return PolicyRequest(policyVersion=1, drafter=drafter.name, mode="on", kByBucket=dict.fromkeys(labels, k))
-
-
-def engine_drafter(drafters: list[SidecarDrafter], initial: str | None) -> SidecarDrafter | None:
-    """The drafter the engine is started with: the initial one if vLLM runs it (colocated); otherwise the
-    sidecar's proposer sized for the largest K among the sidecar-hosted drafters."""
-    chosen = next((d for d in drafters if d.name == initial), None)
-    if chosen is not None and chosen.placement == "colocated":
-        return chosen
-    hosted = [d for d in drafters if d.placement != "colocated"]
-    return max(hosted, key=lambda d: d.max_speculative_tokens) if hosted else None
 
 
 def _sidecar_drafter(d: DrafterSpec, models_dir: Path, index: int) -> SidecarDrafter:
@@ -162,10 +141,16 @@ def plan_fleet(
         )
     if len(ports) < 2 * count:
         raise ValueError(f"ports: need {2 * count} free ports, got {len(ports)}")
+    if not spec.drafters:
+        raise LocalFleetError(
+            "spec.drafters: the local fleet needs at least one drafter (it compares speculation with none)",
+            hint="add a drafter, e.g. {name: ngram, method: ngram, placement: sidecar}",
+        )
     model_path = resolve_source(spec.model.source, models_dir, "spec.model.source")
     drafters = [_sidecar_drafter(d, models_dir, i) for i, d in enumerate(spec.drafters)]
-    initial = spec.initial_drafter
-    in_engine = engine_drafter(drafters, initial.name if initial else None)
+    # The same choices the operator renders into a pod: which drafter vLLM starts with, the first policy.
+    in_engine_spec = engine_drafter(spec)
+    in_engine = next((d for d in drafters if in_engine_spec and d.name == in_engine_spec.name), None)
     colocated = in_engine.name if in_engine and in_engine.placement == "colocated" else None
     cores = cpu_cores or os.cpu_count() or 1
     token_file = run_dir / "sidecar-token"
@@ -204,4 +189,4 @@ def plan_fleet(
             initialPolicy=initial_policy(spec),
         )
         plans.append(ReplicaPlan(pod, i, pod_dir, engine, engine_port, sidecar))
-    return FleetPlan(namespace, resource.metadata.name, spec, tuple(plans), token_file, model_path)
+    return FleetPlan(namespace, resource.metadata.name, spec, tuple(plans), run_dir, token_file, model_path)

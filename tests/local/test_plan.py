@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from specserve_operator.local.errors import LocalFleetError
-from specserve_operator.local.plan import engine_drafter, initial_policy, load_manifest, plan_fleet
+from specserve_operator.local.plan import load_manifest, plan_fleet
 from specserve_operator.local.preflight import check_memory, require_binary, require_ports_free
 from specserve_operator.local.prompts import load_prompts
 
@@ -67,15 +67,18 @@ def test_colocated_initial_drafter_runs_in_the_engine(tmp_path: Path, models: Pa
     assert plan.replicas[0].engine.drafter is not None
     assert plan.replicas[0].engine.drafter.name == "d"
     assert plan.replicas[0].sidecar.engine_drafter == "d"
-    sidecar_drafters = plan.replicas[0].sidecar.drafters
-    assert engine_drafter(sidecar_drafters, "ngram") is not None
-    assert engine_drafter(sidecar_drafters, "ngram").name == "ngram"  # type: ignore[union-attr]
+    # Started on the sidecar-hosted drafter: the engine gets the proposer sized for the largest K.
+    resource = load_manifest(_manifest(tmp_path, drafters=drafters, speculation={"defaultDrafter": "ngram"}))
+    plan = plan_fleet(resource, run_dir=tmp_path, models_dir=models, ports=[1, 2])
+    assert plan.replicas[0].engine.drafter is not None
+    assert plan.replicas[0].engine.drafter.name == "ngram"
+    assert plan.replicas[0].sidecar.engine_drafter is None
 
 
-def test_mode_off_starts_with_speculation_off(tmp_path: Path) -> None:
-    resource = load_manifest(_manifest(tmp_path, speculation={"mode": "off"}))
-    policy = initial_policy(resource.spec)
-    assert policy.mode == "off" and set(policy.k_by_bucket.values()) == {0}
+def test_a_drafter_is_required(tmp_path: Path, models: Path) -> None:
+    resource = load_manifest(_manifest(tmp_path, drafters=[], speculation={"mode": "off"}))
+    with pytest.raises(LocalFleetError, match=r"spec\.drafters"):
+        plan_fleet(resource, run_dir=tmp_path, models_dir=models, ports=[1, 2])
 
 
 @pytest.mark.parametrize(
