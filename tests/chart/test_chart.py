@@ -83,10 +83,7 @@ def test_operator_deployment_defaults() -> None:
     assert ports == {"health": 8080, "metrics": 9095}
     for probe in (container["livenessProbe"], container["readinessProbe"]):
         assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert container["args"][0] == "operator"
-    assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
-    assert "--all-namespaces" in container["args"]
-    assert "--peering=specserve" in container["args"]
+    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:8080/healthz", "--peering=specserve"]
     assert _env(container)["SPECSERVE_PROMETHEUS_URL"] == "http://prometheus-operated.monitoring.svc:9090"
     service = one(objects, "Service")
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
@@ -117,8 +114,8 @@ def test_rbac_is_least_privilege() -> None:
         for (group, resource), verbs in role.items():
             assert "*" not in verbs and group != "*" and resource != "*", (group, resource)
     assert main[("specserve.io", "speculativeservings")] == {"get", "list", "watch", "patch"}
-    assert main[("specserve.io", "speculativeservings/status")] == {"get", "patch"}
-    assert main[("", "pods")] == {"get", "list", "watch"}
+    assert main[("specserve.io", "speculativeservings/status")] == {"patch"}
+    assert main[("", "secrets")] == {"get", "create", "delete"}
     assert main[("", "events")] == {"create"}
     assert cluster[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
     assert cluster[("apiextensions.k8s.io", "customresourcedefinitions")] == {"list", "watch"}
@@ -152,7 +149,7 @@ def test_watched_namespaces_get_role_bindings_and_namespaced_peerings() -> None:
     assert ("kopf.dev", "clusterkopfpeerings") not in _rules(one(objects, "ClusterRole", "specserve-cluster"))
     container = _operator_container(objects)
     assert "--namespace=inference" in container["args"] and "--namespace=research" in container["args"]
-    assert "--all-namespaces" not in container["args"]
+    assert "--verbose" in container["args"]
     assert _env(container)["SPECSERVE_PROMETHEUS_URL"] == "https://prometheus.monitoring.svc:9091"
     assert one(objects, "Deployment")["spec"]["replicas"] == 2
     pdb = one(objects, "PodDisruptionBudget")
@@ -274,7 +271,9 @@ BAD_VALUES = [
     (["--set", "operator.prometheusURL=http://x"], "prometheusURL"),
     (["--set", "operator.prometheusUrl=prometheus:9090"], "/operator/prometheusUrl"),
     (["--set", "operator.healthPort=0"], "/operator/healthPort"),
-    (["--set", "operator.logLevel=verbose"], "/operator/logLevel"),
+    (["--set", "operator.verbose=sometimes"], "/operator/verbose"),
+    (["--set", "engines.hfTokenSecret=Bad_Name"], "/engines/hfTokenSecret"),
+    (["--set", "engines.scrapeInterval=fast"], "/engines/scrapeInterval"),
     (["--set", "operator.watchNamespaces[0]=Not_A_Namespace"], "/operator/watchNamespaces/0"),
     (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
     (["--set", "image.digest=latest"], "/image/digest"),

@@ -52,7 +52,11 @@ app.kubernetes.io/part-of: specserve
 {{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
 {{- end -}}
 
-{{/* The namespaces whose specserve objects the operator handles, or none for cluster-wide. */}}
-{{- define "specserve.watchNamespaces" -}}
-{{- join "," .Values.operator.watchNamespaces -}}
+{{/* A map as "k1=v1,k2=v2" (sorted), the format of the operator's SPECSERVE_SERVICEMONITOR_LABELS. */}}
+{{- define "specserve.keyValues" -}}
+{{- $pairs := list -}}
+{{- range $key := keys . | sortAlpha -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key (get $ $key)) -}}
+{{- end -}}
+{{- join "," $pairs -}}
 {{- end -}}

@@ -1,0 +1,190 @@
+"""The chart's RBAC grants exactly what the operator's code uses: the API calls its handlers make (run
+here with a recording API client on every example resource), the resources its kopf handlers watch and
+patch, and kopf's own needs (peering, CRD and namespace discovery, events). A permission the code does
+not use, or a call the chart does not permit, fails the test."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import kopf
+import pytest
+import yaml
+from chart.helm import REPO, find, render
+
+from specserve_operator import handlers, runner
+from specserve_operator.kube import Connection, KubeApi
+
+Permission = tuple[str, str, str]  # (API group, resource, verb)
+
+# What kopf itself needs, whatever the handlers do: CRD and namespace discovery, and the peering object
+# (cluster-wide, or one per watched namespace).
+KOPF_DISCOVERY: set[Permission] = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "namespaces", "list"),
+    ("", "namespaces", "watch"),
+}
+PEERING_VERBS = ("get", "list", "watch", "patch")
+MODES = {
+    "cluster-wide": ([], {("kopf.dev", "clusterkopfpeerings", v) for v in PEERING_VERBS}),
+    "namespaced": (
+        ["--set", "operator.watchNamespaces={inference,research}"],
+        {("kopf.dev", "kopfpeerings", v) for v in PEERING_VERBS},
+    ),
+    "standalone": (["--set", "peering.enabled=false"], set()),
+}
+PATH = re.compile(r"^/(?:api|apis/(?P<group>[^/]+))/(?P<version>v[^/]+)(?:/namespaces/[^/]+)?/(?P<rest>.+)$")
+
+
+class RecordingKube(KubeApi):
+    """A KubeApi that answers like an empty cluster with the Prometheus Operator, and records every call."""
+
+    def __init__(self) -> None:
+        super().__init__(Connection(server="http://recording.invalid"))
+        self.permissions: set[Permission] = set()
+
+    async def _request(
+        self, method: str, path: str, *, body: Any = None, content_type: str = "", **_: Any
+    ) -> dict[str, Any]:
+        match = PATH.match(path)
+        if match is None:  # discovery (/apis/group/version): allowed to every authenticated client
+            return {"resources": [{"name": "servicemonitors"}]}
+        group, parts = match.group("group") or "", match.group("rest").split("/")
+        resource = parts[0] + ("/" + parts[2] if len(parts) == 3 else "")
+        verb = {"POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}.get(method)
+        if verb is None:
+            verb = "get" if len(parts) >= 2 else "list"
+        self.permissions.add((group, resource, verb))
+        if content_type == "application/apply-patch+yaml":  # server-side apply creates what is missing
+            self.permissions.add((group, resource, "create"))
+        if method == "GET" and len(parts) >= 2:
+            if parts[0] == "speculativeservings":  # the owner a Deployment event refers to
+                return {"metadata": {"name": parts[1]}, "status": {"observedGeneration": 1}}
+            from specserve_operator.kube import KubeError
+
+            raise KubeError(404, "not found")
+        return body or {}
+
+
+def _examples() -> list[dict]:
+    docs = []
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        docs += [
+            d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "SpeculativeServing"
+        ]
+    assert len(docs) >= 4
+    return docs
+
+
+async def _exercise_handlers(kube: RecordingKube, monkeypatch: pytest.MonkeyPatch) -> set[Permission]:
+    events: list[str] = []
+    monkeypatch.setattr(kopf, "info", lambda *a, **k: events.append("info"))
+    monkeypatch.setattr(kopf, "warn", lambda *a, **k: events.append("warn"))
+    memo = kopf.Memo(kube=kube, options=handlers.render_options_from_env({}))
+    logger = logging.getLogger("rbac-test")
+    for resource in _examples():
+        meta = {"namespace": "ml", "uid": "u-1", "generation": 1, **resource["metadata"]}
+        body = kopf.Body({**resource, "metadata": meta})
+        await handlers.reconcile(
+            body=body,
+            spec=body.spec,
+            name=meta["name"],
+            namespace=meta["namespace"],
+            meta=body.metadata,
+            status=body.status,
+            patch=kopf.Patch(),
+            memo=memo,
+            logger=logger,
+        )
+        await handlers.delete_children(name=meta["name"], namespace=meta["namespace"], body=body, memo=memo)
+        deployment = kopf.Body(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {
+                    "name": meta["name"],
+                    "namespace": meta["namespace"],
+                    "ownerReferences": [{"apiVersion": handlers.API_VERSION, "name": meta["name"]}],
+                },
+                "spec": {"replicas": 2},
+                "status": {"replicas": 2, "readyReplicas": 1},
+            }
+        )
+        await handlers.deployment_changed(
+            body=deployment, type="MODIFIED", namespace=meta["namespace"], memo=memo
+        )
+    needed = set(kube.permissions)
+    if events:  # kopf posts them as core/v1 Events
+        needed.add(("", "events", "create"))
+    return needed
+
+
+def _watched_by_kopf() -> set[Permission]:
+    runner.load_handlers()
+    registry = kopf.get_default_registry()
+    needed: set[Permission] = set()
+    for attr, verbs in (("_watching", ("list", "watch")), ("_changing", ("list", "watch", "patch"))):
+        for handler in getattr(registry, attr).get_all_handlers():
+            plural = handler.selector.plural or handler.selector.any_name
+            needed |= {(handler.selector.group or "", plural, verb) for verb in verbs}
+            if attr == "_changing":  # kopf writes handler results and conditions through /status
+                needed.add((handler.selector.group or "", f"{plural}/status", "patch"))
+    for attr in ("_spawning", "_indexing"):
+        assert not getattr(registry, attr).get_all_handlers(), f"{attr}: extend this test for daemons/indices"
+    return needed
+
+
+def _granted(*args: str) -> set[Permission]:
+    granted: set[Permission] = set()
+    for role in find(render(*args), "ClusterRole"):
+        for rule in role["rules"]:
+            granted |= {
+                (g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+            }
+    return granted
+
+
+def _static_calls() -> set[Permission]:
+    """`kube.<verb>("apiVersion", "Kind", ...)` calls anywhere in the operator (the controller's, say)."""
+    verbs = {"get": "get", "list": "list", "create": "create", "apply": "patch", "merge_patch": "patch"}
+    verbs |= {"patch_status": "patch", "delete": "delete"}
+    from specserve_operator.kube import PLURALS
+
+    call = re.compile(r"\bkube\.(" + "|".join(verbs) + r")\(\s*\"([\w./]+)\",\s*\"(\w+)\"")
+    found: set[Permission] = set()
+    for path in (REPO / "operator").rglob("*.py"):
+        if "local" in path.relative_to(REPO / "operator").parts:  # the local fleet runs no cluster
+            continue
+        for method, api_version, kind in call.findall(path.read_text()):
+            group = api_version.rpartition("/")[0]
+            plural = PLURALS[kind] + ("/status" if method == "patch_status" else "")
+            found.add((group, plural, verbs[method]))
+    return found
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_rbac_grants_exactly_what_the_operator_uses(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    args, peering = MODES[mode]
+    used = await _exercise_handlers(RecordingKube(), monkeypatch) | _watched_by_kopf() | _static_calls()
+    used |= KOPF_DISCOVERY | peering
+    granted = _granted(*args)
+    assert not used - granted, f"the chart does not permit: {sorted(used - granted)}"
+    assert not granted - used, f"granted but unused: {sorted(granted - used)}"
+
+
+def test_recording_client_sees_calls() -> None:
+    """The recorder maps API paths to RBAC permissions the way the API server does."""
+    import asyncio
+
+    kube = RecordingKube()
+    asyncio.run(kube.list("v1", "Pod", "ml"))
+    asyncio.run(kube.patch_status(handlers.API_VERSION, "SpeculativeServing", "ml", "x", {}))
+    asyncio.run(kube.delete("apps/v1", "Deployment", "ml", "x"))
+    assert kube.permissions == {
+        ("", "pods", "list"),
+        ("specserve.io", "speculativeservings/status", "patch"),
+        ("apps", "deployments", "delete"),
+    }
