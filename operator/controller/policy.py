@@ -1,0 +1,319 @@
+"""The speculation policy as pure functions of plain data (docs/policy.md explains it in words).
+
+Per (model, drafter, GPU) group and batch-size bucket b:
+
+    E(K)     = 1 + Σ_{i=1..K} Π_{j≤i} α_j          tokens per verify step, from per-position acceptance
+    gain(K)  = E(K) · T(b, 0) / T(b, K)             goodput with K over goodput without speculation
+    K*(b)    = argmax_K gain(K); speculate in b only where gain(K*) ≥ minGain
+
+T(b, K) is the roofline prior (costmodel.py) scaled by what the fleet measured in that bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from specserve_engine.buckets import INF, bucket_labels
+from specserve_operator.controller.costmodel import StepCostPrior
+from specserve_operator.controller.observations import BucketStats
+
+# Fewer samples than these and a measurement is not trusted (the prior stands).
+MIN_STEPS = 20.0
+MIN_DRAFTS = 50.0
+# Acceptance at positions never measured continues the last measured one, a little lower: acceptance
+# streams are over-dispersed, so the i.i.d. extrapolation over-predicts (speculation-research §1.4).
+EXTRAPOLATION_DECAY = 0.97
+PRIOR_ALPHA = 0.6
+
+
+def expected_tokens(alphas: Sequence[float], k: int) -> float:
+    """Tokens per verify step with K drafts: 1 + Σ_{i≤K} Π_{j≤i} α_j (the bonus token included)."""
+    total, survive = 1.0, 1.0
+    for i in range(min(k, len(alphas))):
+        survive *= alphas[i]
+        total += survive
+    return total
+
+
+def iid_alpha_from_mal(mal: float, k: float) -> float:
+    """The per-token α for which (1 − α^(k+1)) / (1 − α) = MAL: used when only totals are known."""
+    if k <= 0 or mal <= 1.0:
+        return 0.0
+    if mal >= k + 1:
+        return 0.999
+    lo, hi = 0.0, 0.999
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if (1 - mid ** (k + 1)) / (1 - mid) < mal:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    alphas: tuple[float, ...]  # conditional acceptance per position, α_1..α_maxK
+    source: str  # measured | totals | prior
+    drafts: float
+
+    def tokens(self, k: int) -> float:
+        return expected_tokens(self.alphas, k)
+
+
+def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = None) -> Acceptance:
+    """Per-position conditional acceptance from pooled counters.
+
+    survival_j = accepted_pos[j] / proposed_pos[j] is P(positions 0..j all accepted); the conditional
+    α_{j+1} = survival_j / survival_{j-1}. Without per-position counters, an i.i.d. α is solved from
+    MAL and the mean draft length; without any drafts, a prior."""
+    alphas: list[float] = []
+    prev_survival = 1.0
+    for pos in range(max_k):
+        proposed = stats.proposed_pos.get(pos, 0.0)
+        if proposed < MIN_DRAFTS:
+            break
+        survival = min(1.0, stats.accepted_pos.get(pos, 0.0) / proposed)
+        alpha = survival / prev_survival if prev_survival > 0 else 0.0
+        alphas.append(min(alpha, 0.999))
+        prev_survival = survival
+    if alphas:
+        return Acceptance(_extend(alphas, max_k), "measured", stats.drafts)
+    for totals in (stats, fallback):
+        if totals is not None and totals.drafts >= MIN_DRAFTS and totals.draft_tokens > 0:
+            mean_k = totals.draft_tokens / totals.drafts
+            alpha = iid_alpha_from_mal(1.0 + totals.accepted / totals.drafts, mean_k)
+            return Acceptance(_extend([alpha], max_k), "totals", totals.drafts)
+    return Acceptance(tuple([PRIOR_ALPHA] * max_k), "prior", 0.0)
+
+
+def _extend(alphas: list[float], max_k: int) -> tuple[float, ...]:
+    out = list(alphas[:max_k])
+    while len(out) < max_k:
+        out.append(out[-1] * EXTRAPOLATION_DECAY)
+    return tuple(out)
+
+
+def bucket_bounds_of(bounds: Sequence[int]) -> dict[str, tuple[int, int]]:
+    """Each bucket's inclusive batch-size range; "+Inf" spans one more doubling past the last bound."""
+    out: dict[str, tuple[int, int]] = {}
+    lo = 1
+    for b in bounds:
+        out[str(b)] = (lo, b)
+        lo = b + 1
+    out[INF] = (lo, max(lo, 2 * bounds[-1]))
+    return out
+
+
+class CalibratedCost:
+    """Step time per bucket and K: the roofline prior scaled by the ratio measured in that bucket.
+
+    Plain steps calibrate T(b, 0); speculative steps, at the mean K and batch they ran with, calibrate
+    T(b, K>0). A bucket without its own measurement borrows the median ratio of those with one."""
+
+    def __init__(
+        self,
+        prior: StepCostPrior,
+        stats: Mapping[str, BucketStats],
+        bounds: Sequence[int],
+        spec_excess: float | None = None,
+    ) -> None:
+        self.prior = prior
+        self.ranges = bucket_bounds_of(bounds)
+        self.batch: dict[str, float] = {}
+        self.plain_ratio: dict[str, float] = {}
+        self.spec_ratio: dict[str, float] = {}
+        for label, (lo, hi) in self.ranges.items():
+            s = stats.get(label)
+            batch = (lo + hi) / 2
+            if s is not None and s.steps_plain >= MIN_STEPS and s.tokens_plain > 0:
+                batch = min(max(s.tokens_plain / s.steps_plain, lo), hi)  # one token per sequence per step
+            elif s is not None and s.steps_spec >= MIN_STEPS and s.drafts > 0:
+                batch = min(max(s.drafts / s.steps_spec, lo), hi)  # one draft per sequence per step
+            self.batch[label] = batch
+            if s is None:
+                continue
+            if s.steps_plain >= MIN_STEPS:
+                self.plain_ratio[label] = (s.seconds_plain / s.steps_plain) / prior.step_s(batch, 0)
+            if s.steps_spec >= MIN_STEPS and s.drafts > 0:
+                mean_k = max(1, round(s.draft_tokens / s.drafts))
+                spec_batch = min(max(s.drafts / s.steps_spec, lo), hi)
+                self.spec_ratio[label] = (s.seconds_spec / s.steps_spec) / prior.step_s(spec_batch, mean_k)
+        self._plain_default = _median(self.plain_ratio.values(), 1.0)
+        # Without speculative measurements of its own, a group borrows how much slower than predicted
+        # speculative steps ran in sibling groups (same model and GPU, another drafter): the verify
+        # overhead belongs to the engine, not to the drafter.
+        self._spec_default = _median(self.spec_ratio.values(), self._plain_default * (spec_excess or 1.0))
+
+    @property
+    def spec_excess(self) -> float | None:
+        """Measured speculative-step ratio over the plain-step ratio, for sibling groups to borrow."""
+        if not self.spec_ratio:
+            return None
+        return _median(self.spec_ratio.values(), 1.0) / self._plain_default
+
+    def measured_spec(self, label: str) -> bool:
+        return label in self.spec_ratio
+
+    def ratio(self, label: str, k: int) -> float:
+        if k == 0:
+            return self.plain_ratio.get(label, self._plain_default)
+        return self.spec_ratio.get(label, self._spec_default)
+
+    def step_s(self, label: str, k: int, batch: float | None = None) -> float:
+        b = self.batch[label] if batch is None else batch
+        return self.prior.step_s(b, k) * self.ratio(label, k)
+
+
+def _median(values: object, default: float) -> float:
+    vs = sorted(values)  # type: ignore[call-overload]
+    if not vs:
+        return default
+    mid = len(vs) // 2
+    return vs[mid] if len(vs) % 2 else (vs[mid - 1] + vs[mid]) / 2
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    k: int  # the best K (≥ 1) for this bucket
+    gain: float  # its predicted goodput over plain decoding
+    gains: tuple[float, ...] = ()  # the gain of every K, 1..max_k
+
+    def gain_at(self, k: int) -> float:
+        return self.gains[k - 1] if 0 < k <= len(self.gains) else self.gain
+
+
+def best_k(
+    acc: Acceptance, cost: CalibratedCost, label: str, max_k: int, batch: float | None = None
+) -> BucketChoice:
+    """The K in 1..max_k with the highest goodput gain E(K)·T(b,0)/T(b,K), and that gain."""
+    t0 = cost.step_s(label, 0, batch)
+    gains = tuple(acc.tokens(k) * t0 / cost.step_s(label, k, batch) for k in range(1, max_k + 1))
+    k = max(range(1, max_k + 1), key=lambda i: (round(gains[i - 1], 12), -i))
+    return BucketChoice(k, gains[k - 1], gains)
+
+
+def choose_table(
+    acc: Acceptance, cost: CalibratedCost, bounds: Sequence[int], max_k: int
+) -> dict[str, BucketChoice]:
+    return {label: best_k(acc, cost, label, max_k) for label in bucket_labels(bounds)}
+
+
+def cliff_batch_size(
+    acc: Acceptance, cost: CalibratedCost, bounds: Sequence[int], max_k: int, min_gain: float
+) -> int | None:
+    """The smallest batch size at which no K reaches `min_gain` (None: speculation pays everywhere).
+
+    Gain falls with batch size (verification turns compute-bound), so the first bucket whose upper end
+    fails is found first, then the exact batch inside it by bisection."""
+
+    def pays(batch: int) -> bool:
+        return best_k(acc, cost, _label_for(batch, bounds), max_k, batch).gain >= min_gain
+
+    for lo, hi in cost.ranges.values():
+        if pays(hi):
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pays(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+    return None
+
+
+def _label_for(batch: int, bounds: Sequence[int]) -> str:
+    for b in bounds:
+        if batch <= b:
+            return str(b)
+    return INF
+
+
+@dataclass(frozen=True)
+class Hysteresis:
+    min_gain: float  # turn a bucket on at this predicted gain
+    cooldown_s: float  # no on/off flip of a bucket within this long of its last flip
+    k_change_gain: float = 0.02  # retune K only for at least this much more gain
+
+    @property
+    def off_gain(self) -> float:
+        """Keep an already-on bucket on down to halfway between plain decoding and minGain."""
+        return 1.0 + (self.min_gain - 1.0) / 2
+
+
+@dataclass(frozen=True)
+class TableUpdate:
+    k_by_bucket: dict[str, int]
+    flipped: dict[str, float]  # bucket → time of its on/off change (only those that changed now)
+    reasons: list[str]
+
+
+def update_table(
+    current: Mapping[str, int],
+    choices: Mapping[str, BucketChoice],
+    hysteresis: Hysteresis,
+    flipped_at: Mapping[str, float],
+    now: float,
+) -> TableUpdate:
+    """The next K table from the current one and the predicted gains, with hysteresis and cooldown.
+
+    Off → on needs gain ≥ minGain and a cooldown since the bucket's last flip. On → off happens below
+    the off threshold after the cooldown, and at once where speculation is predicted to be slower than
+    plain decoding (gain < 1): a pod is never left slower than plain decoding for a cooldown."""
+    table: dict[str, int] = {}
+    flipped: dict[str, float] = {}
+    reasons: list[str] = []
+    for label, choice in choices.items():
+        k_now = current.get(label, 0)
+        cooled = now - flipped_at.get(label, -math.inf) >= hysteresis.cooldown_s
+        if k_now == 0:
+            if choice.gain >= hysteresis.min_gain and cooled:
+                table[label] = choice.k
+                flipped[label] = now
+                reasons.append(f"bucket {label} on: k={choice.k} gain {choice.gain:.2f}")
+            else:
+                table[label] = 0
+            continue
+        current_k = min(k_now, len(choice.gains) or k_now)
+        if choice.gain < 1.0 or (choice.gain < hysteresis.off_gain and cooled):
+            table[label] = 0
+            flipped[label] = now
+            reasons.append(f"bucket {label} off: best gain {choice.gain:.2f}")
+            continue
+        # Stay on; move K only when the better K is clearly better than the K in force.
+        current_gain = choice.gain_at(current_k)
+        if (
+            choice.k != k_now
+            and (choice.gain - current_gain) / max(current_gain, 1e-9) < hysteresis.k_change_gain
+        ):
+            table[label] = current_k
+        else:
+            table[label] = choice.k
+            if choice.k != k_now:
+                reasons.append(f"bucket {label} k {k_now}→{choice.k}")
+    return TableUpdate(table, flipped, reasons)
+
+
+def forced_table(choices: Mapping[str, BucketChoice], mode: str) -> dict[str, int]:
+    """`mode: on` speculates everywhere with the best K; `mode: off` nowhere."""
+    return {label: (c.k if mode == "on" else 0) for label, c in choices.items()}
+
+
+def drafter_score(
+    acc: Acceptance, cost: CalibratedCost, bounds: Sequence[int], max_k: int, weights: Mapping[str, float]
+) -> float:
+    """Predicted goodput over plain decoding across the fleet's batch mix (weights: steps per bucket),
+    each bucket at its best K or off: how much this drafter would be worth on the traffic seen."""
+    total = sum(weights.values())
+    if total <= 0:
+        weights = {label: 1.0 for label in bucket_labels(bounds)}
+        total = float(len(weights))
+    score = 0.0
+    for label, w in weights.items():
+        if label not in cost.ranges:
+            continue
+        score += w * max(1.0, best_k(acc, cost, label, max_k).gain)
+    return score / total
