@@ -72,6 +72,8 @@ async def test_drafts_are_capped_by_the_engine(draft_socket: Path) -> None:
     assert batch.propose(client_for(draft_socket, max_k=2), 1) == [[6, 7]]
     # Two tokens of room before max_model_len: at most one draft.
     assert batch.propose(client_for(draft_socket, max_model_len=int(batch.lengths[0]) + 2), 1) == [[6]]
+    # A token outside the engine's vocabulary ends the draft there.
+    assert batch.propose(client_for(draft_socket, vocab_size=8), 1) == [[6, 7]]
 
 
 async def test_only_new_tokens_cross_the_socket(draft_socket: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,3 +170,28 @@ async def test_drafts_resume_when_the_sidecar_is_back(
     finally:
         again.stop()
         client.close()
+
+
+async def test_the_vllm_proposer_reads_its_settings(
+    draft_socket: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("SPECSERVE_RUNTIME_DIR", str(draft_socket.parent))
+    monkeypatch.setenv("SPECSERVE_DRAFT_DEADLINE_MS", "75")
+    vllm_config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=3),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN, get_vocab_size=lambda: 320),
+    )
+    prop = proposer.SidecarProposer(vllm_config)
+    prop.load_model(object())
+    assert (prop.client.max_k, prop.client.deadline_s, prop.client.socket_path) == (
+        3,
+        0.075,
+        str(draft_socket),
+    )
+    batch = Batch()
+    batch.set(0, [1, *REPEAT, 2, *REPEAT[:3]])
+    sampled = [[6]]
+    assert prop.propose(sampled, batch.lengths, batch.tokens, slot_mappings=None) == [[6, 7, 8]]
+    prop.client.close()
