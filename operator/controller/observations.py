@@ -23,6 +23,7 @@ GPU_UTIL = "gpu_util"
 VLLM_DRAFTS = "vllm_drafts"
 VLLM_DRAFT_TOKENS = "vllm_draft_tokens"
 VLLM_ACCEPTED = "vllm_accepted"
+ALL_BUCKETS = "*"  # the bucket of counters summed over buckets
 
 
 @dataclass
@@ -146,15 +147,13 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
             obs.by_drafter.setdefault(drafter, {}).setdefault(bucket, BucketStats()),
         ):
             setattr(b, kind, getattr(b, kind) + value)
-    elif kind in (ACCEPTED_POS, PROPOSED_POS) and bucket and labels.get("position", "").isdigit():
+    elif kind in (ACCEPTED_POS, PROPOSED_POS) and labels.get("position", "").isdigit():
+        # Per-position counters may come pooled over buckets (the reader's query pools them).
         drafter = labels.get("drafter", "")
+        b = obs.by_drafter.setdefault(drafter, {}).setdefault(bucket or ALL_BUCKETS, BucketStats())
+        target = b.accepted_pos if kind == ACCEPTED_POS else b.proposed_pos
         pos = int(labels["position"])
-        for b in (
-            obs.bucket(bucket),
-            obs.by_drafter.setdefault(drafter, {}).setdefault(bucket, BucketStats()),
-        ):
-            target = b.accepted_pos if kind == ACCEPTED_POS else b.proposed_pos
-            target[pos] = target.get(pos, 0.0) + value
+        target[pos] = target.get(pos, 0.0) + value
     elif kind == POLICY_INFO and value > 0:
         obs.drafter = labels.get("drafter") or obs.drafter
         obs.mode = labels.get("mode") or obs.mode

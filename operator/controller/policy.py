@@ -121,6 +121,7 @@ class CalibratedCost:
         spec_excess: float | None = None,
     ) -> None:
         self.prior = prior
+        self._memo: dict[tuple[str, int, float | None], float] = {}
         self.ranges = bucket_bounds_of(bounds)
         self.batch: dict[str, float] = {}
         self.plain_ratio: dict[str, float] = {}
@@ -163,8 +164,12 @@ class CalibratedCost:
         return self.spec_ratio.get(label, self._spec_default)
 
     def step_s(self, label: str, k: int, batch: float | None = None) -> float:
-        b = self.batch[label] if batch is None else batch
-        return self.prior.step_s(b, k) * self.ratio(label, k)
+        # Memoised: one group's cost serves every resource of that group in a tick.
+        key = (label, k, batch)
+        if key not in self._memo:
+            b = self.batch[label] if batch is None else batch
+            self._memo[key] = self.prior.step_s(b, k) * self.ratio(label, k)
+        return self._memo[key]
 
 
 def _median(values: object, default: float) -> float:

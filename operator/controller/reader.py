@@ -1,0 +1,169 @@
+"""Reading the whole fleet from Prometheus: four PromQL queries per tick, however many pods there are.
+
+Each query joins several series with `label_replace(..., "m", KIND, "", "")` and `or`, so one HTTP
+round trip returns, for instance, the step count, step seconds and tokens of every pod and bucket;
+the `m` label tells the rows apart (observations.build_snapshot folds them). Names come from
+specserve_engine.metric_names, the single source shared with the plugin, the dashboards and the rules.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import requests
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from urllib3.util.retry import Retry
+
+from specserve_engine import metric_names as mn
+from specserve_operator.controller import observations as ob
+
+POD = "namespace, pod"
+
+
+def _window(window_s: float) -> str:
+    return f"{max(1, math.ceil(window_s))}s"
+
+
+def _tagged(kind: str, expr: str) -> str:
+    return f'label_replace({expr}, "m", "{kind}", "", "")'
+
+
+def _increase(series: str, by: str, window: str) -> str:
+    return f"sum by ({by}) (increase({series}[{window}]))"
+
+
+def engine_query(window_s: float) -> str:
+    """Steps, step seconds and output tokens per pod, bucket and speculating-or-not."""
+    w, by = _window(window_s), f"{POD}, bucket, speculating"
+    parts = [
+        _tagged(ob.STEPS, _increase(mn.ENGINE_STEPS.series[0], by, w)),
+        _tagged(ob.STEP_SECONDS, _increase(mn.ENGINE_STEP_SECONDS.series[0], by, w)),
+        _tagged(ob.TOKENS, _increase(mn.ENGINE_GENERATED_TOKENS.series[0], by, w)),
+    ]
+    return " or ".join(parts)
+
+
+def spec_query(window_s: float) -> str:
+    """Drafts, draft tokens and accepted tokens per pod, bucket and drafter; accepted and proposed per
+    position per pod and drafter (pooled over buckets: acceptance is a property of traffic, not load)."""
+    w = _window(window_s)
+    by, by_pos = f"{POD}, bucket, drafter", f"{POD}, drafter, position"
+    parts = [
+        _tagged(ob.DRAFTS, _increase(mn.SPEC_DRAFTS.series[0], by, w)),
+        _tagged(ob.DRAFT_TOKENS, _increase(mn.SPEC_DRAFT_TOKENS.series[0], by, w)),
+        _tagged(ob.ACCEPTED, _increase(mn.SPEC_ACCEPTED_TOKENS.series[0], by, w)),
+        _tagged(ob.ACCEPTED_POS, _increase(mn.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0], by_pos, w)),
+        _tagged(ob.PROPOSED_POS, _increase(mn.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], by_pos, w)),
+    ]
+    return " or ".join(parts)
+
+
+def state_query() -> str:
+    """The policy each sidecar has in force, requests running, GPU utilisation (DCGM, where present)."""
+    parts = [
+        _tagged(
+            ob.POLICY_INFO, f"max by ({POD}, drafter, mode, policy_version) ({mn.SIDECAR_POLICY_INFO.name})"
+        ),
+        _tagged(ob.RUNNING, f"sum by ({POD}) ({mn.VLLM_REQUESTS_RUNNING})"),
+        _tagged(ob.GPU_UTIL, f"avg by ({POD}) ({mn.DCGM_GPU_UTIL})"),
+    ]
+    return " or ".join(parts)
+
+
+def fallback_query(window_s: float) -> str:
+    """vLLM's own spec-decode counters (no buckets): the fallback for pods without the plugin."""
+    w = _window(window_s)
+    parts = [
+        _tagged(ob.VLLM_DRAFTS, _increase(mn.VLLM_SPEC_DRAFTS, POD, w)),
+        _tagged(ob.VLLM_DRAFT_TOKENS, _increase(mn.VLLM_SPEC_DRAFT_TOKENS, POD, w)),
+        _tagged(ob.VLLM_ACCEPTED, _increase(mn.VLLM_SPEC_ACCEPTED_TOKENS, POD, w)),
+    ]
+    return " or ".join(parts)
+
+
+def fleet_queries(window_s: float) -> list[str]:
+    return [engine_query(window_s), spec_query(window_s), state_query(), fallback_query(window_s)]
+
+
+class MetricsUnavailable(Exception):
+    """Prometheus did not answer, answered too slowly, or answered something that is not a vector.
+    `reason` is a condition reason (CamelCase); the message says what happened."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def parse_vector(result: object) -> list[ob.Row]:
+    """Rows from an instant-vector result; anything else raises MetricsUnavailable."""
+    if not isinstance(result, list):
+        raise MetricsUnavailable("PrometheusGarbage", f"expected a vector, got {type(result).__name__}")
+    rows: list[ob.Row] = []
+    for item in result:
+        try:
+            labels = dict(item["metric"])
+            value = float(item["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise MetricsUnavailable(
+                "PrometheusGarbage", f"malformed sample {str(item)[:200]}: {exc!r}"
+            ) from None
+        kind = labels.pop("m", None)
+        if kind is None or not all(isinstance(v, str) for v in labels.values()):
+            raise MetricsUnavailable("PrometheusGarbage", f"sample without a kind: {str(item)[:200]}")
+        rows.append((kind, labels, value))
+    return rows
+
+
+@dataclass
+class PrometheusReader:
+    """Reads one Prometheus; `queries` counts the HTTP queries made (the batching guarantee is tested)."""
+
+    url: str
+    window_s: float = 300.0
+    timeout_s: float = 5.0
+    headers: dict[str, str] | None = None
+    queries: int = 0
+    last_read_s: float = 0.0
+    _client: PrometheusConnect | None = field(default=None, init=False, repr=False)
+
+    def _connect(self) -> PrometheusConnect:
+        if self._client is None:
+            # No retries inside a tick: the controller backs off between ticks instead.
+            self._client = PrometheusConnect(
+                url=self.url,
+                headers=self.headers,
+                disable_ssl=True,
+                retry=Retry(total=0),
+                timeout=self.timeout_s,
+            )
+        return self._client
+
+    def query(self, promql: str) -> list[ob.Row]:
+        self.queries += 1
+        try:
+            result = self._connect().custom_query(promql)
+        except requests.Timeout as exc:
+            raise MetricsUnavailable(
+                "PrometheusSlow", f"{self.url}: no answer within {self.timeout_s:g}s"
+            ) from exc
+        except requests.RequestException as exc:
+            raise MetricsUnavailable("PrometheusDown", f"{self.url}: {type(exc).__name__}: {exc}") from exc
+        except PrometheusApiClientException as exc:
+            raise MetricsUnavailable("PrometheusError", f"{self.url}: {exc}"[:500]) from exc
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MetricsUnavailable(
+                "PrometheusGarbage", f"{self.url}: unreadable answer: {exc!r}"[:500]
+            ) from exc
+        return parse_vector(result)
+
+    def read(self) -> ob.FleetSnapshot:
+        """One snapshot of the whole fleet behind this Prometheus."""
+        started = time.perf_counter()
+        rows: list[ob.Row] = []
+        for promql in fleet_queries(self.window_s):
+            rows.extend(self.query(promql))
+        snapshot = ob.build_snapshot(rows, self.window_s)
+        self.last_read_s = time.perf_counter() - started
+        return snapshot

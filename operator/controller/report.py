@@ -1,0 +1,101 @@
+"""The status a tick writes (pure): activeDrafter, kByBucket, cliffBatchSize, fleet and per-pod MAL,
+lastDecision, and the conditions MetricsAvailable, SpeculationHealthy and PoliciesApplied."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from specserve_operator import status as st
+from specserve_operator.controller import core
+from specserve_operator.controller.loop import ResourceTick
+
+METRICS_AVAILABLE = "MetricsAvailable"
+SPECULATION_HEALTHY = "SpeculationHealthy"
+POLICIES_APPLIED = "PoliciesApplied"
+
+
+def _round(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def status_patch(
+    tick: ResourceTick, view: core.ResourceView, old_status: Mapping[str, Any] | None, now: datetime | None
+) -> dict[str, Any]:
+    """The status fields to merge-patch after one tick. Where metrics were unavailable only the
+    condition changes: the policy in force stays, and so does what status says about it."""
+    old = old_status or {}
+    if tick.metrics_error is not None:
+        cond = st.condition(
+            METRICS_AVAILABLE, False, tick.metrics_error.reason, str(tick.metrics_error)[:1000]
+        )
+        return {"conditions": st.merge_conditions(old.get("conditions"), [cond], now)}
+    d = tick.decision
+    assert d is not None
+    conditions = []
+    if d.action == "noData":
+        conditions.append(st.condition(METRICS_AVAILABLE, False, "PartialData", d.reason))
+    else:
+        conditions.append(st.condition(METRICS_AVAILABLE, True, "Read", f"{len(view.pods)} pods"))
+    floor = view.spec.speculation.mal_floor
+    if d.mean_accepted_length is None:
+        conditions.append(st.condition(SPECULATION_HEALTHY, "Unknown", "NoDrafts", "no drafts in the window"))
+    elif d.mean_accepted_length >= floor:
+        conditions.append(
+            st.condition(SPECULATION_HEALTHY, True, "MalAtOrAboveFloor", f"MAL {d.mean_accepted_length:.2f}")
+        )
+    else:
+        conditions.append(
+            st.condition(
+                SPECULATION_HEALTHY,
+                False,
+                "MalBelowFloor",
+                f"MAL {d.mean_accepted_length:.2f} < malFloor {floor:g}",
+            )
+        )
+    if tick.unreachable:
+        pods = "; ".join(f"{p}: {e}" for p, e in sorted(tick.unreachable.items()))
+        conditions.append(st.condition(POLICIES_APPLIED, False, "SidecarUnreachable", pods[:1000]))
+    else:
+        conditions.append(
+            st.condition(POLICIES_APPLIED, True, "Applied", f"policy version {d.policy_version}")
+        )
+    bounds = view.spec.speculation.batch_buckets
+    pods = []
+    for name in view.pods:
+        target = d.pods.get(name)
+        batch = d.pod_batch.get(name)
+        pods.append(
+            {
+                k: v
+                for k, v in {
+                    "name": name,
+                    "drafter": d.pod_drafter.get(name) or (target.drafter if target else None),
+                    "speculating": None
+                    if name in tick.unreachable or target is None
+                    else core.speculating(target, batch, bounds),
+                    "batchSize": _round(batch, 2),
+                    "mal": _round(d.pod_mal.get(name)),
+                }.items()
+                if v is not None
+            }
+        )
+    fleet = {
+        "mal": d.fleet_mal,
+        "meanAcceptedLength": _round(d.mean_accepted_length),
+        "acceptanceRate": _round(d.acceptance_rate),
+        "gpuUtilization": _round(d.gpu_utilization),
+    }
+    patch: dict[str, Any] = {
+        "activeDrafter": d.drafter,
+        "kByBucket": d.k_by_bucket,
+        "cliffBatchSize": d.cliff,
+        "fleet": {k: v for k, v in fleet.items() if v is not None},
+        "pods": pods,
+        "policyVersion": d.policy_version,
+        "conditions": st.merge_conditions(old.get("conditions"), conditions, now),
+    }
+    if d.changed or d.action == "noData" or not old.get("lastDecision"):
+        patch["lastDecision"] = {"time": st.now_rfc3339(now), "action": d.action, "reason": d.reason[:1024]}
+    return patch
