@@ -51,6 +51,21 @@ def render_options_from_env(env: dict[str, str] | None = None) -> render.RenderO
     )
 
 
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf connects the way the operator's own client does (kube.connection_from_environment)."""
+    connection = connection_from_environment()
+    return kopf.ConnectionInfo(
+        server=connection.server,
+        token=connection.bearer(),
+        ca_path=connection.ca_path,
+        certificate_path=connection.cert_path,
+        private_key_path=connection.key_path,
+        insecure=connection.insecure,
+        scheme="Bearer" if connection.bearer() else None,
+    )
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Progress in annotations, not status: the status schema is strict and holds only our fields.

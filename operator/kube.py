@@ -8,6 +8,7 @@ in the cluster, else from the kubeconfig (KUBECONFIG or ~/.kube/config), as kopf
 from __future__ import annotations
 
 import json
+import os
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,8 +62,6 @@ def connection_from_environment() -> Connection:
     from kubernetes.client import Configuration
 
     if (SERVICE_ACCOUNT_DIR / "token").exists():
-        import os
-
         host = os.environ["KUBERNETES_SERVICE_HOST"]
         port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         return Connection(
@@ -71,7 +70,8 @@ def connection_from_environment() -> Connection:
             ca_path=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
         )
     config = Configuration()
-    kubernetes.config.load_kube_config(client_configuration=config)
+    # Read KUBECONFIG now: the library's default location is fixed when it is first imported.
+    kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=config)
     header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
     token = header.split(" ", 1)[-1] if header else None
     return Connection(

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import kopf
 
 # Every module whose import registers kopf handlers. Another part adds its module here with one line.
-HANDLER_MODULES: tuple[str, ...] = ("specserve_operator.handlers",)
-DEFAULT_PEERING = "specserve"
+HANDLER_MODULES: tuple[str, ...] = ("specserve_operator.handlers", "specserve_operator.controller.timer")
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
@@ -26,7 +25,7 @@ async def run_operator(
     *,
     namespaces: Sequence[str] = (),
     standalone: bool = False,
-    peering_name: str = DEFAULT_PEERING,
+    peering_name: str | None = None,
     priority: int | None = None,
     liveness_endpoint: str | None = None,
     settings: kopf.OperatorSettings | None = None,
@@ -35,13 +34,15 @@ async def run_operator(
     """Run until `stop_flag` is set (or forever). Without namespaces the operator is cluster-wide.
 
     For more than one replica, give each a different priority (the default is random): the highest one
-    works and the others stand by (kopf peering, through a KopfPeering/ClusterKopfPeering object)."""
+    works and the others stand by (kopf peering). With `peering_name` the peering object (a
+    ClusterKopfPeering, or a KopfPeering per namespace) must exist; without it kopf uses its "default"
+    peering object where there is one and runs alone where there is none."""
     load_handlers()
     await kopf.operator(
         registry=kopf.get_default_registry(),
         settings=settings,
-        standalone=standalone,
-        peering_name=peering_name,
+        standalone=standalone or None,
+        peering_name=None if standalone else peering_name,
         priority=priority if priority is not None else random.randint(1, 32767),
         namespaces=list(namespaces),
         clusterwide=not namespaces,
@@ -54,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("operator", help="run the operator (kopf) against the current cluster")
     parser.add_argument("-n", "--namespace", action="append", default=[], help="watch only this namespace")
     parser.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
-    parser.add_argument("--peering", default=DEFAULT_PEERING, help="peering object name")
+    parser.add_argument("--peering", default=None, help="peering object name (then it must exist)")
     parser.add_argument("--priority", type=int, default=None, help="peering priority (default: random)")
     parser.add_argument("--liveness", default=DEFAULT_LIVENESS, help="liveness endpoint URL ('' = none)")
     parser.add_argument("-v", "--verbose", action="store_true")

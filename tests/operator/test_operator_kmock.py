@@ -1,0 +1,257 @@
+"""The real operator (kopf, all handler modules) in-process against a fake API server (kmock)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kmock
+import yaml
+
+from specserve_operator.api import crd
+from specserve_operator.render import children as render
+from specserve_testing.kmock_emulator import NAMESPACE, SERVICE_MONITORS, SERVINGS, RVEmulator, eventually
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "llama-70b-eagle3-h200.yaml"
+
+CHILDREN = {
+    "apps/v1/deployments": "{name}",
+    "v1/services": "{name}",
+    "policy/v1/poddisruptionbudgets": "{name}",
+    "v1/configmaps": "{name}-sidecar",
+    "v1/secrets": "{name}-control-token",
+    SERVICE_MONITORS: "{name}",
+}
+
+
+def _resource(name: str = "llama") -> dict[str, Any]:
+    resource = yaml.safe_load(EXAMPLE.read_text())
+    resource["metadata"] = {"name": name, "namespace": NAMESPACE}
+    return resource
+
+
+def _get(emulator: RVEmulator, resource: str, name: str) -> dict[str, Any] | None:
+    key = (kmock.resource(resource), NAMESPACE, name)
+    if key not in emulator.objects or emulator.objects[key].deleted:
+        return None
+    return dict(emulator.objects[key].raw)
+
+
+def _children(emulator: RVEmulator, name: str) -> dict[str, dict[str, Any] | None]:
+    return {res: _get(emulator, res, pattern.format(name=name)) for res, pattern in CHILDREN.items()}
+
+
+def _condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    conditions = ((obj or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == type_), None)
+
+
+def _events(emulator: RVEmulator, reason: str) -> list[dict[str, Any]]:
+    return [
+        obj.raw
+        for (res, _, _), obj in emulator.objects.items()
+        if res.plural == "events" and not obj.deleted and obj.raw.get("reason") == reason
+    ]
+
+
+def _posts(emulator: RVEmulator, resource: str) -> int:
+    return len(emulator["post", kmock.resource(resource)])
+
+
+async def _create(emulator: RVEmulator, body: dict[str, Any]) -> None:
+    await emulator.post(f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings", json=body)
+
+
+def _deployed(emulator: RVEmulator, name: str) -> dict[str, Any] | None:
+    serving = _get(emulator, SERVINGS, name)
+    condition = _condition(serving, "Deployed")
+    return serving if condition and condition["status"] == "True" else None
+
+
+async def test_create_makes_every_child_owned_by_the_resource(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        serving = await eventually(lambda: _deployed(kube_emulator, "llama"))
+    uid = serving["metadata"]["uid"]
+    for res, child in _children(kube_emulator, "llama").items():
+        assert child is not None, f"{res} missing"
+        owners = child["metadata"]["ownerReferences"]
+        assert [(o["kind"], o["name"], o["uid"], o["controller"]) for o in owners] == [
+            ("SpeculativeServing", "llama", uid, True)
+        ], res
+    status = serving["status"]
+    assert status["phase"] == "Deploying"  # no pods exist in a fake API server
+    assert status["observedGeneration"] == 1
+    assert status["selector"] == render.label_selector_string("llama")
+    assert _condition(serving, "Invalid")["status"] == "False"
+    assert _condition(serving, "Ready")["status"] == "False"
+    assert _events(kube_emulator, "Deployed")
+    # what the operator wrote fits the CRD's status schema (a real API server would prune the rest)
+    jsonschema.Draft4Validator(crd.open_api_schema()["properties"]["status"]).validate(status)
+
+
+async def test_update_patches_the_deployment_and_rolls_the_pods(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        await eventually(lambda: _deployed(kube_emulator, "llama"))
+        before = _get(kube_emulator, "apps/v1/deployments", "llama")
+        path = f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/llama"
+        patch = {"spec": {"engine": {"image": "ghcr.io/specserve/engine:0.2.0"}, "replicas": 6}}
+        await kube_emulator.patch(path, json=patch, headers={"Content-Type": "application/merge-patch+json"})
+
+        def rolled() -> dict[str, Any] | None:
+            deployment = _get(kube_emulator, "apps/v1/deployments", "llama")
+            return deployment if deployment["spec"]["replicas"] == 6 else None
+
+        after = await eventually(rolled)
+        serving = await eventually(
+            lambda: (s := _get(kube_emulator, SERVINGS, "llama"))["status"]["observedGeneration"] == 2 and s
+        )
+    key = render.POD_HASH_ANNOTATION
+    assert (
+        before["spec"]["template"]["metadata"]["annotations"][key]
+        != after["spec"]["template"]["metadata"]["annotations"][key]
+    )
+    assert {c["image"] for c in after["spec"]["template"]["spec"]["containers"]} == {
+        "ghcr.io/specserve/engine:0.2.0"
+    }
+    assert _posts(kube_emulator, "apps/v1/deployments") == 1  # patched, not re-created
+    assert serving["metadata"]["generation"] == 2
+
+
+async def test_the_token_is_never_rotated(kube_emulator: RVEmulator, operator_runner) -> None:
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        await eventually(lambda: _deployed(kube_emulator, "llama"))
+        token = _get(kube_emulator, "v1/secrets", "llama-control-token")["stringData"]["token"]
+        path = f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/llama"
+        await kube_emulator.patch(
+            path, json={"spec": {"replicas": 1}}, headers={"Content-Type": "application/merge-patch+json"}
+        )
+        await eventually(lambda: _get(kube_emulator, "apps/v1/deployments", "llama")["spec"]["replicas"] == 1)
+    assert _get(kube_emulator, "v1/secrets", "llama-control-token")["stringData"]["token"] == token
+    assert _posts(kube_emulator, "v1/secrets") == 1
+
+
+async def test_delete_removes_every_child(kube_emulator: RVEmulator, operator_runner) -> None:
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        await eventually(lambda: _deployed(kube_emulator, "llama"))
+        await kube_emulator.delete(
+            f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/llama"
+        )
+        await eventually(lambda: _get(kube_emulator, SERVINGS, "llama") is None)
+    assert _children(kube_emulator, "llama") == dict.fromkeys(CHILDREN)
+
+
+async def test_invalid_resource_gets_a_condition_and_an_event_and_no_children(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    bad = _resource("broken")
+    bad["spec"]["drafters"][0]["placement"] = "separateGpu"  # eagle3 cannot run in the sidecar
+    async with operator_runner():
+        await _create(kube_emulator, bad)
+
+        def invalid() -> dict[str, Any] | None:
+            condition = _condition(_get(kube_emulator, SERVINGS, "broken"), "Invalid")
+            return condition if condition and condition["status"] == "True" else None
+
+        condition = await eventually(invalid)
+        events = await eventually(lambda: _events(kube_emulator, "Invalid"))
+    assert "spec.drafters[0].placement" in condition["message"]
+    assert condition["reason"] == "InvalidSpec"
+    assert "spec.drafters[0].placement" in events[0]["message"]
+    assert events[0]["type"] == "Warning"
+    assert _get(kube_emulator, SERVINGS, "broken")["status"]["phase"] == "Failed"
+    assert _children(kube_emulator, "broken") == dict.fromkeys(CHILDREN)
+
+
+async def test_fixing_an_invalid_resource_deploys_it(kube_emulator: RVEmulator, operator_runner) -> None:
+    bad = _resource("fixme")
+    bad["spec"]["speculation"]["defaultDrafter"] = "nope"
+    async with operator_runner():
+        await _create(kube_emulator, bad)
+        await eventually(
+            lambda: (
+                (_condition(_get(kube_emulator, SERVINGS, "fixme"), "Invalid") or {}).get("status") == "True"
+            )
+        )
+        path = f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/fixme"
+        await kube_emulator.patch(
+            path,
+            json={"spec": {"speculation": {"defaultDrafter": "ngram"}}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        serving = await eventually(lambda: _deployed(kube_emulator, "fixme"))
+    assert _condition(serving, "Invalid")["status"] == "False"
+    assert all(child is not None for child in _children(kube_emulator, "fixme").values())
+
+
+async def test_a_restarted_operator_creates_no_duplicates(kube_emulator: RVEmulator, operator_runner) -> None:
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        await eventually(lambda: _deployed(kube_emulator, "llama"))
+    posts_before = {res: _posts(kube_emulator, res) for res in CHILDREN}
+    patches_before = len(kube_emulator["patch", kmock.resource("apps/v1/deployments")])
+    async with operator_runner():
+        # the resumed reconcile re-applies (patches) the Deployment; wait for that, then stop
+        await eventually(
+            lambda: len(kube_emulator["patch", kmock.resource("apps/v1/deployments")]) > patches_before
+        )
+    assert {res: _posts(kube_emulator, res) for res in CHILDREN} == posts_before
+    assert all(count == 1 for count in posts_before.values()), posts_before
+    assert kube_emulator["post", kmock.resource("apps/v1/deployments")][0].data["metadata"]["name"] == "llama"
+
+
+async def test_deployment_progress_reaches_the_status(kube_emulator: RVEmulator, operator_runner) -> None:
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        await eventually(lambda: _deployed(kube_emulator, "llama"))
+        # a real cluster's Deployment controller would report its pods; here the test does
+        path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/llama/status"
+        status = {"replicas": 4, "updatedReplicas": 4, "readyReplicas": 4, "availableReplicas": 4}
+        await kube_emulator.patch(
+            path, json={"status": status}, headers={"Content-Type": "application/merge-patch+json"}
+        )
+
+        def ready() -> dict[str, Any] | None:
+            serving = _get(kube_emulator, SERVINGS, "llama")
+            return serving if serving["status"]["phase"] == "Ready" else None
+
+        serving = await eventually(ready)
+    assert serving["status"]["readyReplicas"] == 4
+    assert _condition(serving, "Ready")["status"] == "True"
+
+
+async def test_without_the_prometheus_operator_no_service_monitor(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    del kube_emulator.resources[SERVICE_MONITORS]
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        await eventually(lambda: _deployed(kube_emulator, "llama"))
+    children = _children(kube_emulator, "llama")
+    assert children.pop(SERVICE_MONITORS) is None
+    assert all(child is not None for child in children.values())
+
+
+async def test_speculation_off_without_drafters_has_no_sidecar_objects(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    resource = yaml.safe_load((REPO / "examples" / "mistral-speculation-off.yaml").read_text())
+    resource["metadata"]["namespace"] = NAMESPACE
+    async with operator_runner():
+        await _create(kube_emulator, copy.deepcopy(resource))
+        await eventually(lambda: _deployed(kube_emulator, "mistral-small-baseline"))
+    children = _children(kube_emulator, "mistral-small-baseline")
+    assert children["v1/configmaps"] is None and children["v1/secrets"] is None
+    assert [c["name"] for c in children["apps/v1/deployments"]["spec"]["template"]["spec"]["containers"]] == [
+        "engine"
+    ]
