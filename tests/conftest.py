@@ -8,4 +8,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Tools installed by scripts/setup.sh (helm) are found without changing the caller's PATH.
 os.environ["PATH"] = f"{REPO / '.cache' / 'bin'}{os.pathsep}{os.environ['PATH']}"
 
-pytest_plugins = ["specserve_testing.prometheus", "specserve_testing.engines"]
+pytest_plugins = [
+    "specserve_testing.prometheus",
+    "specserve_testing.engines",
+    "specserve_testing.kmock_emulator",
+]
