@@ -63,6 +63,8 @@ def _timeline(path: Path, data: ReportInput) -> str:
     load.set_title("Load, K and drafter over time (specserve run; shading = load, purple = decisions)")
     load.legend(loc="upper right", fontsize=8)
     k_ax.set_ylabel("K at current batch")
+    top_k = max((k for s in samples for p in s.pods for k in p.k_by_bucket.values()), default=4)
+    k_ax.set_ylim(-0.3, top_k + 0.5)
     k_ax.legend(loc="upper right", fontsize=8)
     drafter_ax.set_ylabel("drafter")
     tps_ax.set_ylabel("tokens / s")
