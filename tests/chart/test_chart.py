@@ -368,3 +368,13 @@ def test_crds_are_rendered_before_everything_else() -> None:
     assert {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"} <= names
     kinds = [o["kind"] for o in objects]
     assert kinds[: len(names)] == ["CustomResourceDefinition"] * len(names)
+
+
+def test_install_guide_documents_every_value() -> None:
+    guide = (CHART.parents[1] / "docs" / "install.md").read_text()
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    for key, value in defaults.items():
+        keys = [f"{key}.{sub}" for sub in value] if isinstance(value, dict) and key != "resources" else [key]
+        for dotted in keys:
+            top, _, sub = dotted.partition(".")
+            assert f"`{dotted}" in guide or (sub and f"`{top}.*`" in guide) or f"{top}.*" in guide, dotted
