@@ -198,11 +198,16 @@ def write_crds(directory: Path) -> Path:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("crd", help="print the SpeculativeServing CRD (or write it with --write)")
     parser.add_argument("--write", metavar="DIR", type=Path, help=f"write {CRD_FILE_NAME} into DIR")
+    parser.add_argument("--reference", action="store_true", help="print the field reference (Markdown)")
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.write is not None:
+    if args.reference:
+        from specserve_operator.api.reference import reference_markdown
+
+        sys.stdout.write(reference_markdown())
+    elif args.write is not None:
         print(write_crds(args.write))
     else:
         sys.stdout.write(crd_yaml())

@@ -408,18 +408,20 @@ class Condition(_Model):
     """A Kubernetes-style condition (metav1.Condition)."""
 
     type: str = Field(min_length=1, max_length=316, description="Ready, Deployed, Invalid, ...")
-    status: ConditionStatus
+    status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(
         default="",
         max_length=1024,
         description="CamelCase machine-readable reason.",
         pattern=r"^([A-Za-z]\w*)?$",
     )
-    message: str = Field(default="", max_length=32768)
+    message: str = Field(default="", max_length=32768, description="Human-readable details.")
     last_transition_time: datetime | None = Field(
         default=None, alias="lastTransitionTime", description="When status last changed."
     )
-    observed_generation: int | None = Field(default=None, ge=0, alias="observedGeneration")
+    observed_generation: int | None = Field(
+        default=None, ge=0, alias="observedGeneration", description="The generation this condition is about."
+    )
 
 
 class FleetStatus(_Model):
@@ -436,38 +438,49 @@ class FleetStatus(_Model):
 
 
 class PodStatus(_Model):
-    name: str
-    drafter: str | None = None
-    speculating: bool | None = None
+    name: str = Field(description="Pod name.")
+    drafter: str | None = Field(default=None, description="The drafter in force in the pod.")
+    speculating: bool | None = Field(default=None, description="Whether the pod speculates now.")
     batch_size: float | None = Field(default=None, ge=0, alias="batchSize", description="Mean batch size.")
-    mal: float | None = Field(default=None, ge=0)
+    mal: float | None = Field(default=None, ge=0, description="The pod's mean accepted length.")
 
 
 class Decision(_Model):
-    time: datetime
+    time: datetime = Field(description="When the controller decided.")
     action: str = Field(max_length=63, description="e.g. enable, disable, setK, switchDrafter, hold.")
-    reason: str = Field(default="", max_length=1024)
+    reason: str = Field(default="", max_length=1024, description="Why, in words.")
 
 
 class SpeculativeServingStatus(_Model):
     phase: Phase | None = Field(default=None, description="Pending, Deploying, Ready, Degraded or Failed.")
-    observed_generation: int | None = Field(default=None, ge=0, alias="observedGeneration")
+    observed_generation: int | None = Field(
+        default=None, ge=0, alias="observedGeneration", description="The generation last deployed."
+    )
     replicas: int | None = Field(default=None, ge=0, description="Engine pods that exist.")
-    ready_replicas: int | None = Field(default=None, ge=0, alias="readyReplicas")
+    ready_replicas: int | None = Field(
+        default=None, ge=0, alias="readyReplicas", description="Engine pods ready (warm) for traffic."
+    )
     selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
-    active_drafter: str | None = Field(default=None, alias="activeDrafter")
+    active_drafter: str | None = Field(
+        default=None, alias="activeDrafter", description="The drafter the controller has put in force."
+    )
     k_by_bucket: dict[str, int] | None = Field(
         default=None, alias="kByBucket", description="K in force per batch-size bucket (0 = off)."
     )
     cliff_batch_size: int | None = Field(
         default=None, ge=0, alias="cliffBatchSize", description="First batch size where speculation stops."
     )
-    fleet: FleetStatus | None = None
-    pods: list[PodStatus] | None = None
-    last_decision: Decision | None = Field(default=None, alias="lastDecision")
-    policy_version: int | None = Field(default=None, ge=0, alias="policyVersion")
+    fleet: FleetStatus | None = Field(default=None, description="Fleet-wide measurements.")
+    pods: list[PodStatus] | None = Field(default=None, description="Per-pod state.")
+    last_decision: Decision | None = Field(
+        default=None, alias="lastDecision", description="The controller's last decision."
+    )
+    policy_version: int | None = Field(
+        default=None, ge=0, alias="policyVersion", description="Version of the policy last pushed to pods."
+    )
     conditions: list[Condition] | None = Field(
         default=None,
+        description="Deployed, Ready, Invalid, MetricsAvailable, SpeculationHealthy, ...",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
 

@@ -29,6 +29,7 @@ from specserve_operator.api.models import (
     parse_duration,
     parse_spec,
 )
+from specserve_operator.api.reference import reference_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p.name != "local-fleet.yaml")
@@ -340,6 +341,14 @@ def test_specserve_crd_prints_what_crds_holds(tmp_path: Path) -> None:
     assert printed == (REPO / "crds" / crd.CRD_FILE_NAME).read_text()
     subprocess.run([sys.executable, "-m", "specserve_operator", "crd", "--write", str(tmp_path)], check=True)
     assert (tmp_path / crd.CRD_FILE_NAME).read_text() == printed
+
+
+def test_crd_reference_doc_matches_the_generator() -> None:
+    on_disk = (REPO / "docs" / "crd-reference.md").read_text()
+    assert on_disk == reference_markdown(), "docs/crd-reference.md is stale: specserve crd --reference > it"
+    fields = ("maxSpeculativeTokens", "batchBuckets", "malFloor", "placement", "kByBucket", "cliffBatchSize")
+    for field in fields:
+        assert f".{field}`" in on_disk
 
 
 # ---- examples ----------------------------------------------------------------------------------------
