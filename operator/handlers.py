@@ -8,6 +8,7 @@ naming the field, and nothing is created or changed. Deployment events keep phas
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -19,6 +20,7 @@ from specserve_operator import status as st
 from specserve_operator.api.models import (
     API_VERSION,
     GROUP,
+    KIND,
     PLURAL,
     VERSION,
     describe_error,
@@ -148,13 +150,16 @@ async def reconcile(
     except KubeError as exc:
         message = f"applying children failed: {exc}"
         kopf.warn(body, reason="ApplyFailed", message=message)
-        patch.status["conditions"] = st.merge_conditions(
+        conditions = st.merge_conditions(
             old_conditions,
             [
                 st.condition(st.INVALID, False, "ValidSpec", generation=generation),
                 st.condition(st.DEPLOYED, False, "ApplyFailed", message, generation=generation),
             ],
         )
+        # kopf drops a failing handler's patch, so the condition is written here, then the handler retries
+        with contextlib.suppress(KubeError):
+            await kube.patch_status(API_VERSION, KIND, namespace, name, {"conditions": conditions})
         raise kopf.TemporaryError(message, delay=RETRY_DELAY_S) from exc
 
     kinds = ", ".join(applied)
@@ -206,7 +211,7 @@ async def deployment_changed(
     if owner is None or type == "DELETED":
         return
     kube: KubeApi = memo.kube
-    parent = await kube.get(API_VERSION, "SpeculativeServing", namespace, owner["name"])
+    parent = await kube.get(API_VERSION, KIND, namespace, owner["name"])
     if parent is None or parent.get("metadata", {}).get("deletionTimestamp"):
         return
     parent_status = parent.get("status") or {}
@@ -225,4 +230,4 @@ async def deployment_changed(
     }
     if all(parent_status.get(k) == v for k, v in new_status.items()):
         return
-    await kube.patch_status(API_VERSION, "SpeculativeServing", namespace, owner["name"], new_status)
+    await kube.patch_status(API_VERSION, KIND, namespace, owner["name"], new_status)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import jsonschema
 import kmock
 import yaml
@@ -255,3 +257,44 @@ async def test_speculation_off_without_drafters_has_no_sidecar_objects(
     assert [c["name"] for c in children["apps/v1/deployments"]["spec"]["template"]["spec"]["containers"]] == [
         "engine"
     ]
+
+
+async def test_a_failing_api_call_gets_an_event_and_a_condition(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    kube_emulator["post", kmock.resource("apps/v1/deployments")] << kmock.KubernetesError(
+        status=403, reason="Forbidden", message="deployments is forbidden"
+    )
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+
+        def failed() -> dict[str, Any] | None:
+            condition = _condition(_get(kube_emulator, SERVINGS, "llama"), "Deployed")
+            return condition if condition and condition["status"] == "False" else None
+
+        condition = await eventually(failed)
+        events = await eventually(lambda: _events(kube_emulator, "ApplyFailed"))
+    assert condition["reason"] == "ApplyFailed"
+    assert "403" in condition["message"] and "forbidden" in condition["message"]
+    assert events[0]["type"] == "Warning"
+
+
+async def test_liveness_endpoint_answers(
+    kube_emulator: RVEmulator, operator_runner, unused_tcp_port: int
+) -> None:
+    url = f"http://127.0.0.1:{unused_tcp_port}/healthz"
+    async with operator_runner(liveness_endpoint=url), aiohttp.ClientSession() as session:
+
+        async def probe() -> dict[str, Any]:
+            async with session.get(url) as response:
+                assert response.status == 200
+                return await response.json()
+
+        body = None
+        for _ in range(100):
+            try:
+                body = await probe()
+                break
+            except (aiohttp.ClientError, AssertionError):
+                await asyncio.sleep(0.1)
+    assert body is not None and body.get("kubernetes") is True

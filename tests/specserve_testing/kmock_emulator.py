@@ -1,6 +1,7 @@
 """A fake Kubernetes API server for operator tests: kmock's emulator, made faithful enough for kopf.
 
-kmock 0.8 keeps objects but assigns no resourceVersion, uid, generation or creationTimestamp, and replays
+kmock 0.8 keeps objects but assigns no resourceVersion, uid, generation, creationTimestamp or generated
+name (so a second Event conflicts with the first), and replays
 every object to each new watch, so kopf handles a creation twice. `RVEmulator` fixes both: it stamps
 those fields on every write (generation moves only when the spec changes, as on a real server) and a
 watch that starts from a resourceVersion streams only new events.
@@ -49,6 +50,8 @@ class RVEmulator(kmock.KubernetesEmulator):
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
+                if not meta.get("name") and meta.get("generateName"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta["resourceVersion"] = str(next(self._versions))
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.setdefault("generation", 1)
