@@ -298,3 +298,25 @@ async def test_liveness_endpoint_answers(
             except (aiohttp.ClientError, AssertionError):
                 await asyncio.sleep(0.1)
     assert body is not None and body.get("kubernetes") is True
+
+
+async def test_an_update_that_breaks_the_resource_changes_no_child(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        await eventually(lambda: _deployed(kube_emulator, "llama"))
+        before = _children(kube_emulator, "llama")
+        writes_before = len(kube_emulator["patch", kmock.resource("apps/v1/deployments")])
+        path = f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/llama"
+        broken = {"spec": {"engine": {"image": "engine:9"}, "speculation": {"batchBuckets": [8, 4]}}}
+        await kube_emulator.patch(path, json=broken, headers={"Content-Type": "application/merge-patch+json"})
+
+        def invalid() -> dict[str, Any] | None:
+            condition = _condition(_get(kube_emulator, SERVINGS, "llama"), "Invalid")
+            return condition if condition and condition["status"] == "True" else None
+
+        condition = await eventually(invalid)
+    assert "spec.speculation.batchBuckets" in condition["message"]
+    assert len(kube_emulator["patch", kmock.resource("apps/v1/deployments")]) == writes_before
+    assert _children(kube_emulator, "llama") == before
