@@ -5,6 +5,8 @@ API, and every built-in object valid for Kubernetes (kubernetes-validate)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -378,3 +380,28 @@ def test_install_guide_documents_every_value() -> None:
         for dotted in keys:
             top, _, sub = dotted.partition(".")
             assert f"`{dotted}" in guide or (sub and f"`{top}.*`" in guide) or f"{top}.*" in guide, dotted
+
+
+YAMLLINT_CONFIG = """
+extends: default
+rules:
+  line-length: {max: 150}
+  document-start: disable
+  truthy: {check-keys: false}
+  comments: {min-spaces-from-content: 1}
+  braces: {max-spaces-inside: 1}
+  brackets: {max-spaces-inside: 1}
+  indentation: {spaces: 2, indent-sequences: consistent}
+"""
+
+
+def test_chart_yaml_sources_pass_yamllint() -> None:
+    """chart-testing's lint step: the chart's plain YAML (templates are Helm's to check)."""
+    sources = [CHART / "Chart.yaml", CHART / "values.yaml", CHART / "ci", CHART / "files", CHART / "crds"]
+    result = subprocess.run(
+        [sys.executable, "-m", "yamllint", "--strict", "-d", YAMLLINT_CONFIG, *map(str, sources)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
