@@ -21,7 +21,7 @@ from specserve_operator.local.fleet import (
     run_session,
 )
 from specserve_operator.local.plan import FleetPlan
-from specserve_operator.local.report import RUN_OFF, RUN_STATIC
+from specserve_operator.local.report import RUN_OFF, RUN_STATIC, load_report_input, write_report
 from specserve_operator.local.traffic import TrafficPatternError, parse_pattern
 from specserve_operator.local.view import ViewState, render
 
@@ -72,6 +72,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache per engine (default: %(default)s)")
     up.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
     up.set_defaults(func=up_command)
+    report = sub.add_parser("report", help="re-render a run's report from its data.json")
+    report.add_argument("run_dir", type=Path, help="a run folder written by `specserve local up`")
+    report.set_defaults(func=report_command)
+
+
+def report_command(args: argparse.Namespace) -> int:
+    data_json = args.run_dir / "report" / "data.json"
+    if not data_json.exists():
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {data_json}: no such file")
+        return 2
+    md = write_report(data_json.parent, load_report_input(data_json))
+    print(md)
+    return 0
 
 
 def options_from_args(args: argparse.Namespace) -> UpOptions:

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from specserve_operator.local.report import (
+    RUN_OFF,
     RUN_ORDER,
     RUN_SPECSERVE,
     RUN_TITLES,
@@ -80,18 +81,29 @@ def _throughput(path: Path, data: ReportInput) -> str:
     runs = [r for r in RUN_ORDER if r in data.patterns]
     stats = {r: phase_stats(data.records, r, data.patterns[r]) for r in runs}
     n = len(stats[runs[0]]) if runs else 0
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    # Left: tokens per second; right: the same relative to plain decoding (quiet phases' differences
+    # vanish next to the busy phase's totals on one axis).
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(runs))
+    off = stats.get(RUN_OFF)
     for j, r in enumerate(runs):
         xs = [i + (j - (len(runs) - 1) / 2) * width for i in range(n)]
         ax.bar(xs, [s.tokens_per_s for s in stats[r]], width, label=RUN_TITLES[r], color=RUN_COLORS.get(r))
-    if runs:
-        ax.set_xticks(
-            range(n), [f"{s.index + 1}. {s.phase}\n(conc. {s.concurrency})" for s in stats[runs[0]]]
-        )
+        if off is not None:
+            ratios = [
+                s.tokens_per_s / o.tokens_per_s if o.tokens_per_s else math.nan
+                for s, o in zip(stats[r], off, strict=True)
+            ]
+            rel.bar(xs, ratios, width, color=RUN_COLORS.get(r))
+    labels = [f"{s.index + 1}. {s.phase}\n(conc. {s.concurrency})" for s in stats[runs[0]]] if runs else []
+    for a in (ax, rel):
+        a.set_xticks(range(n), labels)
     ax.set_ylabel("generated tokens / s")
     ax.set_title("Throughput per traffic phase, same traffic")
     ax.legend(fontsize=8)
+    rel.axhline(1.0, color="black", lw=0.8)
+    rel.set_ylabel("× plain decoding")
+    rel.set_title("Relative to speculation off" if off is not None else "(no run with speculation off)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

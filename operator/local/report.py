@@ -240,6 +240,7 @@ def write_report(folder: Path, data: ReportInput) -> Path:
     (folder / "data.json").write_text(
         json.dumps(
             {
+                "title": data.title,
                 "patterns": {r: p.render() for r, p in data.patterns.items()},
                 "facts": dict(data.facts),
                 "mal_by_bucket": {r: dict(m) for r, m in data.mal_by_bucket.items()},
@@ -254,3 +255,28 @@ def write_report(folder: Path, data: ReportInput) -> Path:
     md = folder / "report.md"
     md.write_text(render_markdown(data, images))
     return md
+
+
+def load_report_input(data_json: Path) -> ReportInput:
+    """Read back what `write_report` saved in data.json (to re-render a report)."""
+    from specserve_operator.local.samples import PodSample
+    from specserve_operator.local.traffic import parse_pattern
+
+    raw = json.loads(data_json.read_text())
+    samples = [
+        FleetSample(
+            **{k: v for k, v in s.items() if k != "pods"},
+            pods=tuple(PodSample(**{**p, "bucket_bounds": tuple(p["bucket_bounds"])}) for p in s["pods"]),
+        )
+        for s in raw["samples"]
+    ]
+    return ReportInput(
+        title=raw.get("title", "specserve local fleet"),
+        patterns={r: parse_pattern(p) for r, p in raw["patterns"].items()},
+        samples=samples,
+        decisions=[DecisionRecord(**d) for d in raw["decisions"]],
+        records=[RequestRecord(**r) for r in raw["records"]],
+        mal_by_bucket=raw["mal_by_bucket"],
+        steps_by_bucket=raw.get("steps_by_bucket", {}),
+        facts=raw.get("facts", {}),
+    )

@@ -10,6 +10,7 @@ from specserve_operator.local.loadgen import RequestRecord
 from specserve_operator.local.report import (
     ReportInput,
     controller_verdict,
+    load_report_input,
     phase_stats,
     render_markdown,
     speculating_share_by_phase,
@@ -117,6 +118,8 @@ def test_markdown_says_what_happened() -> None:
 
 def test_write_report_writes_plots(tmp_path: Path) -> None:
     md = write_report(tmp_path / "report", _input())
+    again = load_report_input(md.parent / "data.json")
+    assert render_markdown(again, ["x.png"]) == render_markdown(_input(), ["x.png"])
     names = sorted(p.name for p in md.parent.iterdir())
     assert names == ["data.json", "mal_per_bucket.png", "report.md", "timeline.png", "tokens_per_s.png"]
     for png in md.parent.glob("*.png"):
