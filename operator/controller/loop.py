@@ -65,6 +65,7 @@ class _Read:
     at: float
     snapshot: FleetSnapshot
     costs: core.FleetCosts | None = None
+    costs_views: int = 0  # resources the costs were pooled over (a newly seen one means pool again)
 
 
 class FleetController:
@@ -126,15 +127,16 @@ class FleetController:
             return read
 
     def _costs(self, url: str, read: _Read, now: float) -> core.FleetCosts:
-        if read.costs is None:
+        if read.costs is None or read.costs_views != len(self.views):
             views = [v for v in self.views.values() if self.url_for(v) == url]
             mixed = {
                 (v.namespace, pod)
                 for v in views
-                for pod in self.states[v.key].switched_pods(now, self.window_s)
                 if v.key in self.states
+                for pod in self.states[v.key].switched_pods(now, self.window_s)
             }
             read.costs = core.FleetCosts(views, read.snapshot, mixed)
+            read.costs_views = len(self.views)
         return read.costs
 
     def state_for(self, view: core.ResourceView, status: Mapping | None) -> core.ResourceState:

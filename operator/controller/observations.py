@@ -43,18 +43,15 @@ class BucketStats:
     proposed_pos: dict[int, float] = field(default_factory=dict)
 
     def add(self, other: BucketStats) -> None:
-        for name in (
-            "steps_plain",
-            "seconds_plain",
-            "tokens_plain",
-            "steps_spec",
-            "seconds_spec",
-            "tokens_spec",
-            "drafts",
-            "draft_tokens",
-            "accepted",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.steps_plain += other.steps_plain
+        self.seconds_plain += other.seconds_plain
+        self.tokens_plain += other.tokens_plain
+        self.steps_spec += other.steps_spec
+        self.seconds_spec += other.seconds_spec
+        self.tokens_spec += other.tokens_spec
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted += other.accepted
         for pos, v in other.accepted_pos.items():
             self.accepted_pos[pos] = self.accepted_pos.get(pos, 0.0) + v
         for pos, v in other.proposed_pos.items():
@@ -121,11 +118,15 @@ Row = tuple[str, dict[str, str], float]
 def build_snapshot(rows: Iterable[Row], window_s: float) -> FleetSnapshot:
     """Fold rows into a snapshot; rows whose labels lack what their kind needs are skipped."""
     snap = FleetSnapshot(window_s=window_s)
+    pods = snap.pods
     for kind, labels, value in rows:
         ns, pod = labels.get("namespace"), labels.get("pod")
         if not ns or not pod or value != value:  # NaN from a 0/0 in PromQL
             continue
-        _fold(snap.pod(ns, pod), kind, labels, value)
+        obs = pods.get((ns, pod))
+        if obs is None:
+            obs = pods[(ns, pod)] = PodObservation(ns, pod)
+        _fold(obs, kind, labels, value)
     for obs in snap.pods.values():
         if obs.drafter is None and len(obs.by_drafter) == 1:
             obs.drafter = next(iter(obs.by_drafter))

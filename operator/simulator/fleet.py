@@ -116,6 +116,9 @@ class FleetResult:
     tpot_hour: list[np.ndarray] = field(default_factory=list)
     switches: int = 0
     decisions: dict[str, int] = field(default_factory=dict)
+    batch_sum: float = 0.0  # pod batch sizes summed over quanta (for the mean)
+    batch_samples: int = 0
+    batch_max: int = 0
 
     def summary(self, duration_s: float) -> dict:
         tpot = np.concatenate(self.tpot_s) if self.tpot_s else np.zeros(0)
@@ -138,6 +141,8 @@ class FleetResult:
             "tpot_p95_ms": round(float(np.percentile(tpot, 95)) * 1e3, 3) if tpot.size else None,
             "requests": int(tpot.size),
             "switches": self.switches,
+            "batch_mean": round(self.batch_sum / self.batch_samples, 2) if self.batch_samples else 0.0,
+            "batch_max": self.batch_max,
             "hourly": hourly,
         }
         if self.decisions:
@@ -496,6 +501,10 @@ class FleetSim:
                 r = self.results[name]
                 r.tokens += fleet_tokens[f]
                 r.hourly_tokens[hour] += fleet_tokens[f]
+                fleet_batch = batch[f * p : (f + 1) * p]
+                r.batch_sum += float(fleet_batch.sum())
+                r.batch_samples += p
+                r.batch_max = max(r.batch_max, int(fleet_batch.max()))
             if "oracle" in self.policies:
                 o = self._rows_of("oracle")
                 choice = d[o] * 100 + k[o]

@@ -1,0 +1,178 @@
+"""Fixtures for the controller tests: synthetic fleet measurements and specs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from specserve_engine import metric_names as mn
+from specserve_operator.api.models import SpeculativeServingSpec
+from specserve_operator.controller import observations as ob
+
+
+@dataclass(frozen=True)
+class BucketLoad:
+    """What one pod did in one bucket over the window."""
+
+    batch: float
+    steps_plain: float = 0.0
+    step_s_plain: float = 0.0
+    steps_spec: float = 0.0
+    step_s_spec: float = 0.0
+    k: int = 0
+
+
+def pod_rows(
+    namespace: str,
+    pod: str,
+    drafter: str,
+    loads: dict[str, BucketLoad],
+    alphas: tuple[float, ...] = (0.8,) * 8,
+    policy_version: int = 1,
+    running: float | None = None,
+) -> list[ob.Row]:
+    """The rows the reader would return for one pod with these loads and this conditional acceptance."""
+    base = {"namespace": namespace, "pod": pod}
+    rows: list[ob.Row] = [
+        (
+            ob.POLICY_INFO,
+            {**base, "drafter": drafter, "mode": "on", "policy_version": str(policy_version)},
+            1.0,
+        )
+    ]
+    if running is not None:
+        rows.append((ob.RUNNING, base, running))
+    accepted_pos: dict[int, float] = {}
+    proposed_pos: dict[int, float] = {}
+    for label, load in loads.items():
+        if load.steps_plain:
+            lab = {**base, "bucket": label, "speculating": "false"}
+            rows += [
+                (ob.STEPS, lab, load.steps_plain),
+                (ob.STEP_SECONDS, lab, load.steps_plain * load.step_s_plain),
+                (ob.TOKENS, lab, load.steps_plain * load.batch),
+            ]
+        if load.steps_spec:
+            survival, surv = [], 1.0
+            for i in range(load.k):
+                surv *= alphas[i]
+                survival.append(surv)
+            drafts = load.steps_spec * load.batch
+            lab = {**base, "bucket": label, "speculating": "true"}
+            rows += [
+                (ob.STEPS, lab, load.steps_spec),
+                (ob.STEP_SECONDS, lab, load.steps_spec * load.step_s_spec),
+                (ob.TOKENS, lab, drafts * (1 + sum(survival))),
+            ]
+            slab = {**base, "bucket": label, "drafter": drafter}
+            rows += [
+                (ob.DRAFTS, slab, drafts),
+                (ob.DRAFT_TOKENS, slab, drafts * load.k),
+                (ob.ACCEPTED, slab, drafts * sum(survival)),
+            ]
+            for i, s in enumerate(survival):
+                accepted_pos[i] = accepted_pos.get(i, 0.0) + drafts * s
+                proposed_pos[i] = proposed_pos.get(i, 0.0) + drafts
+    for i in sorted(proposed_pos):
+        plab = {**base, "drafter": drafter, "position": str(i)}
+        rows += [(ob.ACCEPTED_POS, plab, accepted_pos[i]), (ob.PROPOSED_POS, plab, proposed_pos[i])]
+    return rows
+
+
+# Row kind → (metric series, label names kept) for writing rows as Prometheus counters.
+SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    ob.STEPS: (mn.ENGINE_STEPS.series[0], ("bucket", "speculating")),
+    ob.STEP_SECONDS: (mn.ENGINE_STEP_SECONDS.series[0], ("bucket", "speculating")),
+    ob.TOKENS: (mn.ENGINE_GENERATED_TOKENS.series[0], ("bucket", "speculating")),
+    ob.DRAFTS: (mn.SPEC_DRAFTS.series[0], ("bucket", "drafter")),
+    ob.DRAFT_TOKENS: (mn.SPEC_DRAFT_TOKENS.series[0], ("bucket", "drafter")),
+    ob.ACCEPTED: (mn.SPEC_ACCEPTED_TOKENS.series[0], ("bucket", "drafter")),
+    ob.ACCEPTED_POS: (mn.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0], ("drafter", "position")),
+    ob.PROPOSED_POS: (mn.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], ("drafter", "position")),
+}
+
+
+def openmetrics(rows: list[ob.Row], start_s: float, end_s: float, step_s: float = 15.0) -> str:
+    """Rows as counters rising linearly from 0 at `start_s` to their value at `end_s` (the increase over
+    that span is the row's value), gauges held constant; OpenMetrics text for promtool's backfill."""
+    families: dict[str, list[str]] = {}
+    types: dict[str, str] = {}
+    n = int((end_s - start_s) // step_s)
+    for kind, labels, value in rows:
+        extra = {}
+        if kind in SERIES:
+            series, keep = SERIES[kind]
+            family, mtype = series.removesuffix("_total"), "counter"
+            extra = {k: labels[k] for k in keep if k in labels}
+        elif kind == ob.POLICY_INFO:
+            series = family = mn.SIDECAR_POLICY_INFO.name
+            mtype = "gauge"
+            extra = {k: labels[k] for k in ("drafter", "mode", "policy_version")}
+        elif kind == ob.RUNNING:
+            series = family = mn.VLLM_REQUESTS_RUNNING
+            mtype = "gauge"
+        else:
+            continue
+        types[family] = mtype
+        lab = {"namespace": labels["namespace"], "pod": labels["pod"], **extra}
+        text = ",".join(f'{k}="{v}"' for k, v in sorted(lab.items()))
+        lines = families.setdefault(family, [])
+        for i in range(n + 1):
+            t = start_s + i * step_s
+            v = value * i / n if mtype == "counter" else value
+            lines.append(f"{series}{{{text}}} {v:.6f} {t:.3f}")
+    out = []
+    for family, lines in families.items():
+        out.append(f"# TYPE {family} {types[family]}")
+        # OpenMetrics wants each series' samples in time order; group them by series.
+        out.extend(sorted(lines, key=lambda line: (line.rsplit(" ", 2)[0], float(line.rsplit(" ", 1)[1]))))
+    out.append("# EOF")
+    return "\n".join(out) + "\n"
+
+
+def make_spec(**overrides: object) -> SpeculativeServingSpec:
+    body: dict = {
+        "replicas": 2,
+        "model": {"name": "llama-3.1-8b-instruct", "source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+        "engine": {"image": "engine:test", "gpu": {"count": 1, "product": "NVIDIA-H100"}},
+        "drafters": [
+            {
+                "name": "draft",
+                "method": "draftModel",
+                "source": "hf://meta-llama/Llama-3.2-1B-Instruct",
+                "maxSpeculativeTokens": 4,
+                "placement": "sidecar",
+            },
+            {"name": "ngram", "method": "ngram", "maxSpeculativeTokens": 4, "placement": "sidecar"},
+        ],
+        "speculation": {"evaluationInterval": "30s", "cooldown": "5m"},
+    }
+    for key, value in overrides.items():
+        section, _, field = key.partition("__")
+        if field:
+            body[section][field] = value
+        else:
+            body[section] = value
+    return SpeculativeServingSpec.model_validate(body)
+
+
+@pytest.fixture
+def rows_for() -> Callable[..., list[ob.Row]]:
+    return pod_rows
+
+
+@pytest.fixture
+def spec_factory() -> Callable[..., SpeculativeServingSpec]:
+    return make_spec
+
+
+@pytest.fixture
+def openmetrics_of() -> Callable[..., str]:
+    return openmetrics
+
+
+@pytest.fixture
+def bucket_load() -> type[BucketLoad]:
+    return BucketLoad

@@ -1,0 +1,174 @@
+"""One decision for one resource, from synthetic fleet measurements (no servers)."""
+
+from __future__ import annotations
+
+from specserve_operator.controller import core
+from specserve_operator.controller import observations as ob
+from specserve_operator.controller.policy import MIN_STEPS
+
+NS = "ml"
+
+
+def view_of(spec, pods=("pod-a", "pod-b")) -> core.ResourceView:
+    return core.ResourceView(NS, "llm", spec, tuple(pods))
+
+
+def decide(
+    view: core.ResourceView, rows: list, state: core.ResourceState, now: float, mixed=()
+) -> core.Decision:
+    snap = ob.build_snapshot(rows, 300.0)
+    return core.decide(view, snap, state, core.FleetCosts([view], snap, mixed), now)
+
+
+def healthy_loads(bucket_load, prior, slow_high: float = 3.0) -> dict:
+    """Low buckets speculating at the prior's speed; bucket 64 speculating `slow_high`× slower than the
+    prior predicts (a cliff the prior does not know about); plain steps everywhere at the prior."""
+    loads = {}
+    for label, batch in (("4", 3.0), ("16", 12.0), ("64", 48.0)):
+        factor = slow_high if label == "64" else 1.0
+        loads[label] = bucket_load(
+            batch=batch,
+            steps_plain=1000,
+            step_s_plain=prior.step_s(batch, 0),
+            steps_spec=1000,
+            step_s_spec=prior.step_s(batch, 3) * factor,
+            k=3,
+        )
+    return loads
+
+
+def test_partial_data_means_no_decision(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    before = dict(state.k_by_bucket)
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]))
+    d = decide(view, rows_for(NS, "pod-a", "draft", loads), state, now=0)
+    assert d.action == "noData" and not d.changed
+    assert "pod-b" in d.reason
+    assert state.k_by_bucket == before and state.policy_version == 0
+
+
+def test_speculates_below_the_cliff_and_not_above(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]))
+    rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
+    d = decide(view, rows, state, now=0)
+    assert d.changed and d.policy_version == 1
+    assert d.k_by_bucket["4"] > 0 and d.k_by_bucket["16"] > 0
+    assert d.k_by_bucket["64"] == 0
+    assert d.cliff is not None and 16 < d.cliff <= 64
+    assert d.drafter == "draft"
+    assert d.fleet_mal["4"] > 2.0 and d.mean_accepted_length is not None
+    assert {p.drafter for p in d.pods.values()} <= {"draft", "ngram"}
+
+
+def test_mode_overrides(spec_factory, rows_for, bucket_load) -> None:
+    for mode, expected in (("off", 0), ("on", 4)):
+        spec = spec_factory(speculation__mode=mode)
+        view = view_of(spec)
+        state = core.ResourceState.initial(spec)
+        d = decide(view, [], state, now=0)  # no metrics needed to obey the override
+        assert set(d.k_by_bucket.values()) == {expected}
+        assert all(p.mode == ("off" if mode == "off" else "on") for p in d.pods.values())
+
+
+def test_poor_drafter_is_demoted_after_a_cooldown_and_replaced(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]), slow_high=1.0)
+    rows = rows_for(NS, "pod-a", "draft", loads, alphas=(0.2,) * 8)
+    rows += rows_for(NS, "pod-b", "draft", loads, alphas=(0.2,) * 8)
+    first = decide(view, rows, state, now=0)
+    assert "draft" not in first.demoted
+    later = decide(view, rows, state, now=spec.speculation.cooldown_seconds + 1)
+    assert "draft" in later.demoted
+    assert later.drafter == "ngram" and later.action == "switchDrafter"
+    assert "demoted draft" in later.reason
+
+
+def test_better_drafter_on_a_canary_takes_over(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]), slow_high=1.0)
+    rows = rows_for(NS, "pod-a", "draft", loads, alphas=(0.5,) * 8)
+    rows += rows_for(NS, "pod-b", "ngram", loads, alphas=(0.95,) * 8)
+    d = decide(view, rows, state, now=0)
+    assert d.scores["ngram"] > d.scores["draft"]
+    assert d.drafter == "ngram" and d.action == "switchDrafter" and d.rollout_drafter is None
+    # Both are sidecar-hosted: a live switch, every pod told the new drafter.
+    assert {p.drafter for p in d.pods.values()} == {"ngram"}
+
+
+def test_drafter_the_engine_cannot_run_live_goes_out_as_a_rollout(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory(
+        drafters=[
+            {"name": "eagle", "method": "eagle3", "source": "hf://org/eagle3", "maxSpeculativeTokens": 4},
+            {"name": "lookup", "method": "ngram", "maxSpeculativeTokens": 4},
+        ]
+    )
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    assert state.engine_drafter == "eagle"
+    state.last_score["lookup"] = 1.5
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]), slow_high=1.0)
+    rows = rows_for(NS, "pod-a", "eagle", loads, alphas=(0.1,) * 8)
+    rows += rows_for(NS, "pod-b", "eagle", loads, alphas=(0.1,) * 8)
+    decide(view, rows, state, now=0)
+    d = decide(view, rows, state, now=spec.speculation.cooldown_seconds + 1)
+    assert d.action == "rollout" and d.rollout_drafter == "lookup"
+    assert state.engine_drafter == "lookup"
+
+
+def test_off_bucket_with_traffic_is_explored_on_one_canary(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    state.flipped_at["128"] = -10.0  # switched off 10 s ago: stays off for the cooldown
+    prior = view.prior(spec.drafters[0])
+    loads = healthy_loads(bucket_load, prior, slow_high=1.0)
+    # Bucket 128 sees traffic but never speculated: no measurement of its speculative step time.
+    loads["128"] = bucket_load(batch=100, steps_plain=5 * MIN_STEPS, step_s_plain=prior.step_s(100, 0))
+    rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
+    d = decide(view, rows, state, now=0)
+    assert state.canary is not None and state.canary.purpose == "explore"
+    canary = d.pods[state.canary.pod]
+    others = [p for name, p in d.pods.items() if name != state.canary.pod]
+    assert canary.k_by_bucket["128"] > 0
+    assert all(p.k_by_bucket["128"] == d.k_by_bucket["128"] for p in others)
+    assert "explore bucket 128" in d.reason
+
+
+def test_switched_pods_calibrate_only_plain_steps(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    prior = view.prior(spec.drafters[0])
+    loads = healthy_loads(bucket_load, prior, slow_high=5.0)
+    rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
+    snap = ob.build_snapshot(rows, 300.0)
+    measured = core.FleetCosts([view], snap).cost(view, spec.drafters[0])
+    assert measured.measured_spec("64")
+    mixed = core.FleetCosts([view], snap, {(NS, "pod-a"), (NS, "pod-b")}).cost(view, spec.drafters[0])
+    assert not mixed.measured_spec("64") and "4" in mixed.plain_ratio
+
+
+def test_restart_resumes_the_policy_from_status(spec_factory) -> None:
+    spec = spec_factory()
+    status = {
+        "activeDrafter": "ngram",
+        "kByBucket": {"1": 3, "2": 2},
+        "policyVersion": 7,
+        "cliffBatchSize": 20,
+    }
+    state = core.ResourceState.initial(spec, status)
+    assert state.drafter == "ngram" and state.policy_version == 7
+    assert state.k_by_bucket["1"] == 3 and state.k_by_bucket["64"] == 0
+    # A sidecar-hosted initial drafter: the engine runs the sidecar proposer, switches are live.
+    assert state.engine_drafter is None
