@@ -20,5 +20,8 @@ lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Regenerate the CRD from the pydantic models, into crds/ and the chart's copy (tests keep all three in sync).
 crds:
 	$(VENV)/bin/specserve crd --write crds/
+	$(VENV)/bin/specserve crd --write charts/specserve/crds/
+	$(VENV)/bin/specserve crd --reference > docs/crd-reference.md
