@@ -204,3 +204,48 @@ class TinyLlama:
             x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
         last = self._norm(x[-1:], w["model.norm.weight"])
         return F.linear(last, w["lm_head.weight"])[0]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, tokens: torch.Tensor, caches: list[KVCache], positions: list[int]
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of one token per sequence, token b at positions[b] of caches[b]; the
+        projections and MLP run batched, attention per sequence over its own cache."""
+        s = self.shape
+        w = self.w
+        b = len(caches)
+        for cache, pos in zip(caches, positions, strict=True):
+            cache.reserve(pos + 1)
+        cos, sin = self._rope(torch.tensor(positions, device=self.device))
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        x = w["model.embed_tokens.weight"][tokens]
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            h = self._norm(x, w[p + "input_layernorm.weight"])
+            q = self._rotate(
+                F.linear(h, w[p + "self_attn.q_proj.weight"]).view(b, s.heads, s.head_dim), cos, sin
+            )
+            k = self._rotate(
+                F.linear(h, w[p + "self_attn.k_proj.weight"]).view(b, s.kv_heads, s.head_dim), cos, sin
+            )
+            v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(b, s.kv_heads, s.head_dim)
+            outs = []
+            for j, (cache, pos) in enumerate(zip(caches, positions, strict=True)):
+                cache.k[i][:, pos] = k[j]
+                cache.v[i][:, pos] = v[j]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[j][None, :, None],
+                        cache.k[i][None, :, : pos + 1],
+                        cache.v[i][None, :, : pos + 1],
+                        enable_gqa=s.heads != s.kv_heads,
+                    )[0, :, 0]
+                )
+            att = torch.stack(outs).reshape(b, s.heads * s.head_dim)
+            x = x + F.linear(att, w[p + "self_attn.o_proj.weight"])
+            h = self._norm(x, w[p + "post_attention_layernorm.weight"])
+            x = x + F.linear(
+                F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"]),
+                w[p + "mlp.down_proj.weight"],
+            )
+        return F.linear(self._norm(x, w["model.norm.weight"]), w["lm_head.weight"])

@@ -41,28 +41,40 @@ class ModelDrafter(Drafter):
         self.model = TinyLlama(self.path, num_layers=layers, device=self.device)
 
     def draft(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
-        return [self._draft_one(s, k) for s, k in zip(seqs, ks, strict=True)]
-
-    def _draft_one(self, seq: Seq, k: int) -> list[int]:
+        """Catch each cache up with its new tokens (one forward per sequence), then draft the remaining
+        K−1 tokens of all sequences together, one batched forward per position."""
         model = self.model
         assert model is not None, "draft() before load()"
+        out: list[list[int]] = [[] for _ in seqs]
+        caches: list[KVCache | None] = [None] * len(seqs)
+        for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
+            if k > 0:  # K = 0: nothing to do now; the cache catches up on the next step that drafts
+                caches[i], logits = self._catch_up(model, seq)
+                out[i].append(int(logits.argmax()))
+        lengths = [len(s.tokens) for s in seqs]
+        while True:
+            rows = [i for i, k in enumerate(ks) if 0 < len(out[i]) < k]
+            if not rows:
+                return out
+            tokens = torch.tensor([out[i][-1] for i in rows], device=model.device)
+            positions = [lengths[i] + len(out[i]) - 1 for i in rows]
+            logits = model.forward_batch(tokens, [caches[i] for i in rows], positions)  # type: ignore[misc]
+            for r, i in enumerate(rows):
+                out[i].append(int(logits[r].argmax()))
+
+    def _catch_up(self, model: TinyLlama, seq: Seq) -> tuple[KVCache, torch.Tensor]:
+        """Feed the sequence's new tokens into its cache; the logits after its last token."""
         state = self._states.get(seq.key)
         if state is None or state.epoch != seq.epoch or state.cache.length > len(seq.tokens):
             state = self._states[seq.key] = _State(seq.epoch, model.new_cache())
-        if k <= 0:
-            return []  # the cache catches up on the next step that drafts
         cache = state.cache
         length = len(seq.tokens)
         if cache.length == length:  # nothing new: recompute the last token to get its logits
             cache.length -= 1
         new = torch.from_numpy(seq.tokens[cache.length :].astype("int64")).to(model.device)
         logits = model.forward(new, cache, cache.length)
-        cache.length = length
-        out = [int(logits.argmax())]
-        while len(out) < k:
-            logits = model.forward(torch.tensor([out[-1]], device=model.device), cache, length + len(out) - 1)
-            out.append(int(logits.argmax()))
-        return out
+        cache.length = length  # speculative entries past here are overwritten next step
+        return cache, logits
 
     def forget(self, connection: int) -> None:
         for key in [k for k in self._states if k[0] == connection]:

@@ -90,6 +90,19 @@ def test_model_drafter_incremental_equals_from_scratch(random_llama: Path) -> No
     assert d.draft([seq([*tokens, 1, 2])], [2]) == [_greedy(d.model, [*tokens, 1, 2], 2)]
 
 
+def test_model_drafter_batches_sequences_of_different_k(random_llama: Path) -> None:
+    d = ModelDrafter("draft", "draftModel", max_k=4, path=str(random_llama))
+    d.load()
+    assert d.model is not None
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 320, n).tolist() for n in (5, 17, 9, 30)]
+    ks = [4, 1, 0, 3]
+    for _ in range(3):
+        drafts = d.draft([seq(p, key=(0, i)) for i, p in enumerate(prompts)], ks)
+        assert drafts == [_greedy(d.model, p, k) if k else [] for p, k in zip(prompts, ks, strict=True)]
+        prompts = [[*p, *rng.integers(0, 320, 2).tolist()] for p in prompts]
+
+
 def test_self_speculation_keeps_only_the_first_layers(random_llama: Path) -> None:
     spec = SidecarDrafter.model_validate(
         {"name": "self", "method": "selfSpeculative", "maxSpeculativeTokens": 2, "placement": "sidecar"}
