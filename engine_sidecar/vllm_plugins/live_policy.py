@@ -113,18 +113,27 @@ class LivePolicyScheduler(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        traced = self._trace is not None and scheduler_output.total_num_scheduled_tokens > 0
+        # Drafts are read before vLLM processes the output: it trims a finished request's tokens in place.
+        verified = verified_drafts(scheduler_output, model_runner_output) if traced else None
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self._trace is not None and scheduler_output.total_num_scheduled_tokens > 0:
-            self._trace.write(json.dumps(step_record(scheduler_output, model_runner_output, outputs)) + "\n")
+        if self._trace is not None and verified is not None:
+            drafted, accepted = verified
+            record = {
+                "batch": len(scheduler_output.num_scheduled_tokens),
+                "generated": sum(len(o.new_token_ids) for eco in outputs.values() for o in eco.outputs),
+                "drafted": drafted,
+                "accepted": accepted,
+            }
+            self._trace.write(json.dumps(record) + "\n")
         return outputs
 
 
-def step_record(
-    scheduler_output: SchedulerOutput,
-    model_runner_output: ModelRunnerOutput,
-    outputs: dict[int, EngineCoreOutputs],
-) -> dict:
-    """One executed step, from the scheduler's inputs and outputs (independent of vLLM's stats objects)."""
+def verified_drafts(
+    scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+) -> tuple[list[int], list[int]]:
+    """Per request that had drafts verified in this step: draft length and accepted tokens, from the
+    scheduler's inputs and the runner's sampled tokens (independent of vLLM's stats objects)."""
     drafted: list[int] = []
     accepted: list[int] = []
     sampled = model_runner_output.sampled_token_ids
@@ -135,9 +144,4 @@ def step_record(
         if drafts and generated:
             drafted.append(len(drafts))
             accepted.append(max(len(generated) - 1, 0))
-    return {
-        "batch": len(scheduler_output.num_scheduled_tokens),
-        "generated": sum(len(o.new_token_ids) for eco in outputs.values() for o in eco.outputs),
-        "drafted": drafted,
-        "accepted": accepted,
-    }
+    return drafted, accepted

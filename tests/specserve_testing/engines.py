@@ -29,13 +29,17 @@ from specserve_engine.policy_file import PodPolicy, write_policy
 from specserve_engine.vllm_plugins.live_policy import STEP_TRACE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
-MODELS = REPO / "models"
+# SPECSERVE_MODELS_DIR points the engines at freshly trained models (scripts/train_tiny_models.py --out).
+MODELS = Path(os.environ.get("SPECSERVE_MODELS_DIR", REPO / "models"))
 TARGET = MODELS / "tiny-target"
 DRAFT = MODELS / "tiny-draft"
 PROMPTS = MODELS / "prompts"
 DOMAINS = ("code", "prose")
 MAX_K = 4
 MAX_NUM_SEQS = 32
+# float32, not vLLM's CPU default bf16: prose has near-ties between words, and bf16 rounding differs
+# between a one-token decode and a K+1-token verify, which would flip greedy choices.
+DTYPE = "float32"
 ENGINE_START_TIMEOUT_S = float(os.environ.get("SPECSERVE_ENGINE_START_TIMEOUT_S", "900"))
 
 NGRAM = SidecarDrafter(name="ngram", method="ngram", maxSpeculativeTokens=MAX_K, placement="colocated")
@@ -125,6 +129,7 @@ def _spec(name: str, drafter: SidecarDrafter | None, runtime_dir: Path) -> Engin
         runtime_dir=str(runtime_dir),
         drafter=drafter,
         max_num_seqs=MAX_NUM_SEQS,
+        dtype=DTYPE,
         env={STEP_TRACE_ENV: str(runtime_dir / "steps.jsonl")},
     )
 
