@@ -52,9 +52,9 @@ from specserve_operator.local.view import ViewState
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS_DIR = REPO / "models"
-# Resident memory of one tiny engine (API server + engine core) with its sidecar, measured on this
-# machine with VLLM_CPU_KVCACHE_SPACE=1 (docs/local-fleet.md); the KV cache comes on top.
-ENGINE_RSS_GIB = 2.0
+# Resident memory of one tiny engine (API server, engine core, worker: 2.8 GiB with a 1 GiB KV cache)
+# and its sidecar (0.3 GiB), measured on this machine (docs/local-fleet.md); the KV cache comes on top.
+ENGINE_RSS_GIB = 2.1
 # Prometheus, the controller, the load generator and the rest of the machine.
 RESERVE_GIB = 1.5
 
@@ -205,7 +205,9 @@ async def start_fleet(s: Session, rt: FleetRuntime) -> None:
         await _wait_http(
             f"{r.sidecar_url}/readyz", sidecar.running, f"sidecar {r.name}", sidecar.log_path, 300
         )
-        s.say(f"sidecar {r.name} ready at {r.sidecar_url}")
+        s.say(
+            f"sidecar {r.name} ready at {r.sidecar_url} ({group_rss_bytes(sidecar.pid or 0) / 2**30:.2f} GiB)"
+        )
     targets = [(r.name, "engine", f"127.0.0.1:{r.engine_port}") for r in plan.replicas]
     targets += [(r.name, "sidecar", f"127.0.0.1:{r.sidecar.port}") for r in plan.replicas]
     rules = usable_rule_files(REPO / "charts" / "specserve" / "files")

@@ -67,80 +67,69 @@ def phase_stats(records: Sequence[RequestRecord], run: str, pattern: TrafficPatt
     return out
 
 
-def speculating_share_by_phase(samples: Sequence[FleetSample], run: str) -> dict[int, float]:
-    """Per phase index: the share of (sample, pod) observations in which the pod was speculating at its
-    current batch size. Pods whose sidecar did not answer are left out."""
-    counts: dict[int, list[int]] = {}
-    for s in samples:
-        if s.run != run or s.phase_index < 0:
-            continue
-        for pod in s.pods:
-            if pod.speculating is None:
-                continue
-            c = counts.setdefault(s.phase_index, [0, 0])
-            c[0] += pod.speculating
-            c[1] += 1
-    return {i: on / n for i, (on, n) in sorted(counts.items()) if n}
-
-
-def speculation_switches(samples: Sequence[FleetSample], run: str) -> list[tuple[float, str, bool]]:
-    """(time, pod, speculating) at every change of a pod's speculating state during the run."""
-    last: dict[str, bool] = {}
-    out: list[tuple[float, str, bool]] = []
-    for s in samples:
-        if s.run != run:
-            continue
-        for pod in s.pods:
-            now = pod.speculating
-            if now is None:
-                continue
-            if pod.pod in last and last[pod.pod] != now:
-                out.append((s.t_s, pod.pod, now))
-            last[pod.pod] = now
-    return out
+def speculating_share(samples: Sequence[FleetSample], run: str, start_s: float, end_s: float) -> float | None:
+    """The share of (sample, pod) observations in [start_s, end_s) of a run in which the pod speculated
+    at its current batch size; None without observations (pods whose sidecar did not answer are left out)."""
+    seen = [
+        p.speculating
+        for s in samples
+        if s.run == run and start_s <= s.t_s < end_s
+        for p in s.pods
+        if p.speculating is not None
+    ]
+    return sum(seen) / len(seen) if seen else None
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Did the controller do its job on this traffic: off under load, on when quiet."""
+    """Did the controller do its job on this traffic: off under load, on again when load falls.
+
+    Judged on the second half of each phase, once the controller has had time to see the change
+    (its rate window and evaluation interval): speculating in under half of the busy phase's settled
+    samples is "off under load"; in over half of the following quiet phase's, "back on"."""
 
     busiest_phase: int
-    quietest_after_busy: int | None
-    share_busy: float
+    quiet_before: int | None
+    quiet_after: int | None
+    share_busy: float | None  # settled share of pod samples speculating
     share_quiet_before: float | None
     share_quiet_after: float | None
-    turned_off_under_load: bool
-    turned_back_on: bool
+
+    @property
+    def turned_off_under_load(self) -> bool:
+        return self.share_busy is not None and self.share_busy < 0.5
+
+    @property
+    def turned_back_on(self) -> bool:
+        return (
+            self.turned_off_under_load and self.share_quiet_after is not None and self.share_quiet_after > 0.5
+        )
 
 
 def controller_verdict(
-    samples: Sequence[FleetSample], pattern: TrafficPattern, run: str = RUN_SPECSERVE, threshold: float = 0.5
+    samples: Sequence[FleetSample], pattern: TrafficPattern, run: str = RUN_SPECSERVE
 ) -> Verdict:
-    shares = speculating_share_by_phase(samples, run)
-    phases = pattern.phases
-    busiest = max(range(len(phases)), key=lambda i: phases[i].concurrency)
-    peak = phases[busiest].concurrency
-    before = [i for i in range(busiest) if phases[i].concurrency < peak]
-    after = [i for i in range(busiest + 1, len(phases)) if phases[i].concurrency < peak]
-    quiet_before = min(before, key=lambda i: phases[i].concurrency) if before else None
-    quiet_after = min(after, key=lambda i: phases[i].concurrency) if after else None
-    share_busy = shares.get(busiest, math.nan)
-    # The controller needs a few ticks to see the load: judge the end of the busy phase and the end of the
-    # quiet phase after it, through the shares of the whole phases (robust to a late first decision).
-    share_after = shares.get(quiet_after) if quiet_after is not None else None
-    share_before = shares.get(quiet_before) if quiet_before is not None else None
-    switches = speculation_switches(samples, run)
-    busy_at = pattern.boundaries()[busiest]
-    off_in_busy = any(not on and busy_at.start_s <= t < busy_at.end_s for t, _, on in switches)
-    on_after = any(on and t >= busy_at.start_s for t, _, on in switches)
+    phases = pattern.boundaries()
+    busiest = max(range(len(phases)), key=lambda i: phases[i].phase.concurrency)
+    peak = phases[busiest].phase.concurrency
+    before = [i for i in range(busiest) if phases[i].phase.concurrency < peak]
+    after = [i for i in range(busiest + 1, len(phases)) if phases[i].phase.concurrency < peak]
+    quiet_before = min(before, key=lambda i: phases[i].phase.concurrency) if before else None
+    quiet_after = min(after, key=lambda i: phases[i].phase.concurrency) if after else None
+
+    def settled(i: int | None) -> float | None:
+        if i is None:
+            return None
+        at = phases[i]
+        return speculating_share(samples, run, at.start_s + at.phase.duration_s / 2, at.end_s)
+
     return Verdict(
         busiest_phase=busiest,
-        quietest_after_busy=quiet_after,
-        share_busy=share_busy,
-        share_quiet_before=share_before,
-        share_quiet_after=share_after,
-        turned_off_under_load=off_in_busy or share_busy < threshold,
-        turned_back_on=on_after and share_after is not None and share_after > 0,
+        quiet_before=quiet_before,
+        quiet_after=quiet_after,
+        share_busy=settled(busiest),
+        share_quiet_before=settled(quiet_before),
+        share_quiet_after=settled(quiet_after),
     )
 
 
@@ -170,19 +159,25 @@ def render_markdown(data: ReportInput, images: Sequence[str]) -> str:
     if RUN_SPECSERVE in data.patterns:
         v = controller_verdict(data.samples, data.patterns[RUN_SPECSERVE])
         pattern = data.patterns[RUN_SPECSERVE]
+        busy = pattern.phases[v.busiest_phase]
         lines += [
             "## Did the controller follow the load?",
             "",
             f"- traffic: `{pattern.render()}` ({pattern.total_s:g} s)",
-            f"- speculating in the busiest phase ({pattern.phases[v.busiest_phase].name}, concurrency "
-            f"{pattern.phases[v.busiest_phase].concurrency}): {_pct(v.share_busy)} of pod samples "
-            f"→ turned off under load: **{'yes' if v.turned_off_under_load else 'no'}**",
+            "- pods speculating at their batch size, second half of each phase (after the controller "
+            "has seen the change):",
         ]
-        if v.share_quiet_before is not None:
-            lines.append(f"- speculating in the quiet phase before it: {_pct(v.share_quiet_before)}")
-        if v.share_quiet_after is not None:
+        if v.share_quiet_before is not None and v.quiet_before is not None:
             lines.append(
-                f"- speculating in the quiet phase after it: {_pct(v.share_quiet_after)} "
+                f"  - quiet before ({pattern.phases[v.quiet_before].name}): {_pct(v.share_quiet_before)}"
+            )
+        lines.append(
+            f"  - busy ({busy.name}, concurrency {busy.concurrency}): {_pct(v.share_busy)} "
+            f"→ turned off under load: **{'yes' if v.turned_off_under_load else 'no'}**"
+        )
+        if v.quiet_after is not None:
+            lines.append(
+                f"  - quiet after ({pattern.phases[v.quiet_after].name}): {_pct(v.share_quiet_after)} "
                 f"→ turned back on: **{'yes' if v.turned_back_on else 'no'}**"
             )
         lines.append("")

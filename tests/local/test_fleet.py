@@ -87,8 +87,8 @@ def test_local_fleet_follows_the_load(tmp_path: Path) -> None:
     assert runs == {"specserve", "off", "static"}
     failed = [r for r in data["records"] if not r["ok"]]
     assert not failed, failed[:3]
-    # Speculation measured: the drafter's MAL in the quiet bucket is above 1 (some drafts accepted).
-    assert data["mal_by_bucket"]["static"]["1"] > 1.0
+    # Speculation was measured: some bucket saw accepted drafts during the controller's run.
+    assert max(data["mal_by_bucket"]["specserve"].values()) > 1.0
     assert data["decisions"], "the controller decided nothing"
     assert not _stray_processes(run_dir)
     assert not any(port_in_use(p) for p in _ports(run_dir))

@@ -13,8 +13,7 @@ from specserve_operator.local.report import (
     load_report_input,
     phase_stats,
     render_markdown,
-    speculating_share_by_phase,
-    speculation_switches,
+    speculating_share,
     write_report,
 )
 from specserve_operator.local.samples import DecisionRecord, FleetSample, PodSample
@@ -47,13 +46,15 @@ def _samples(controller_works: bool) -> list[FleetSample]:
     return out
 
 
-def test_share_and_switches_follow_the_load() -> None:
+def test_share_and_verdict_follow_the_load() -> None:
     samples = _samples(controller_works=True)
-    shares = speculating_share_by_phase(samples, "specserve")
-    assert shares == {0: 1.0, 1: pytest.approx(0.2), 2: 1.0}
-    assert speculation_switches(samples, "specserve") == [(12, "pod-0", False), (20, "pod-0", True)]
+    assert speculating_share(samples, "specserve", 0, 10) == 1.0
+    assert speculating_share(samples, "specserve", 10, 20) == pytest.approx(0.2)  # two late seconds
+    assert speculating_share(samples, "specserve", 15, 20) == 0.0
+    assert speculating_share(samples, "off", 0, 30) is None
     v = controller_verdict(samples, PATTERN)
-    assert v.busiest_phase == 1 and v.quietest_after_busy == 2
+    assert (v.busiest_phase, v.quiet_before, v.quiet_after) == (1, 0, 2)
+    assert (v.share_quiet_before, v.share_busy, v.share_quiet_after) == (1.0, 0.0, 1.0)
     assert v.turned_off_under_load and v.turned_back_on
 
 
@@ -62,6 +63,17 @@ def test_verdict_fails_for_static_speculation() -> None:
     assert v.share_busy == 1.0
     assert not v.turned_off_under_load
     assert not v.turned_back_on
+
+
+def test_verdict_fails_when_speculation_stays_off() -> None:
+    samples = [
+        FleetSample(
+            s.run, s.t_s, s.phase_index, s.phase, s.target_concurrency, s.in_flight, (_pod(8, mode="off"),)
+        )
+        for s in _samples(controller_works=True)
+    ]
+    v = controller_verdict(samples, PATTERN)
+    assert v.turned_off_under_load and not v.turned_back_on
 
 
 def test_k_now_follows_mode_and_batch() -> None:
