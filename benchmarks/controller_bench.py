@@ -213,7 +213,9 @@ async def _scale_tick(url: str) -> tuple[float, int]:
 
 
 def scale() -> dict:
-    stub = subprocess.Popen([sys.executable, __file__, "--stub"], stdout=subprocess.PIPE, text=True)
+    stub = subprocess.Popen(
+        [sys.executable, __file__, "--stub"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         assert stub.stdout is not None
         port, size = (int(x) for x in stub.stdout.readline().split())
@@ -315,7 +317,9 @@ def main() -> int:
         "low_batch": low,
         "scale": scale_result,
     }
-    (RESULTS / "controller.json").write_text(json.dumps(report, indent=1) + "\n")
+    # numpy scalars (np.float64, np.bool_) as plain Python values.
+    text = json.dumps(report, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+    (RESULTS / "controller.json").write_text(text + "\n")
     print(f"{'trace':<14}{'policy':<14}{'goodput tok/s':>14}{'TPOT ms':>10}{'p95 ms':>10}{'switches':>10}")
     for r in runs:
         for name, s in r["policies"].items():

@@ -145,11 +145,13 @@ class PrometheusReader:
         self.queries += 1
         try:
             result = self._connect().custom_query(promql)
-        except requests.Timeout as exc:
-            raise MetricsUnavailable(
-                "PrometheusSlow", f"{self.url}: no answer within {self.timeout_s:g}s"
-            ) from exc
+        except requests.JSONDecodeError as exc:
+            raise MetricsUnavailable("PrometheusGarbage", f"{self.url}: not JSON: {exc}"[:500]) from exc
         except requests.RequestException as exc:
+            # Without retries urllib3 reports a read timeout as a connection error: look at the text.
+            if isinstance(exc, requests.Timeout) or "timed out" in str(exc).lower():
+                slow = f"{self.url}: no answer within {self.timeout_s:g}s"
+                raise MetricsUnavailable("PrometheusSlow", slow) from exc
             raise MetricsUnavailable("PrometheusDown", f"{self.url}: {type(exc).__name__}: {exc}") from exc
         except PrometheusApiClientException as exc:
             raise MetricsUnavailable("PrometheusError", f"{self.url}: {exc}"[:500]) from exc

@@ -176,3 +176,80 @@ def openmetrics_of() -> Callable[..., str]:
 @pytest.fixture
 def bucket_load() -> type[BucketLoad]:
     return BucketLoad
+
+
+class SidecarStandIn:
+    """A real HTTP server speaking the sidecar control API (GET /v1/state, PUT /v1/policy) with the
+    sidecar's version rules: a bearer token, 409 for an older policyVersion, the same one a no-op."""
+
+    def __init__(self, token: str | None = "secret-token") -> None:
+        self.token = token
+        self.policy = {"policyVersion": 0, "drafter": "draft", "mode": "on", "kByBucket": {}}
+        self.puts: list[dict] = []
+        self.runner = None
+        self.url = ""
+
+    def _state(self) -> dict:
+        return {
+            **self.policy,
+            "drafters": [],
+            "warm": True,
+            "engineReachable": True,
+        }
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> SidecarStandIn:
+        from aiohttp import web
+
+        async def state(request: web.Request) -> web.Response:
+            return self._check(request) or web.json_response(self._state())
+
+        async def put(request: web.Request) -> web.Response:
+            refused = self._check(request)
+            if refused is not None:
+                return refused
+            body = await request.json()
+            if body["policyVersion"] < self.policy["policyVersion"]:
+                return web.json_response(
+                    {"error": "older policyVersion", "field": "policyVersion"}, status=409
+                )
+            self.puts.append(body)
+            self.policy = body
+            return web.json_response(self._state())
+
+        app = web.Application()
+        app.router.add_get("/v1/state", state)
+        app.router.add_put("/v1/policy", put)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
+        self.url = f"http://{bound[0]}:{bound[1]}"
+        return self
+
+    def _check(self, request):
+        from aiohttp import web
+
+        if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response({"error": "unauthorized"}, status=401)
+        return None
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def sidecars():
+    started: list[SidecarStandIn] = []
+
+    async def start(
+        host: str = "127.0.0.1", port: int = 0, token: str | None = "secret-token"
+    ) -> SidecarStandIn:
+        s = await SidecarStandIn(token).start(host, port)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        await s.stop()

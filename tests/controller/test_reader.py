@@ -1,0 +1,161 @@
+"""The reader against a real Prometheus (Debian's package) holding backfilled fleet history, and against
+a Prometheus that is down, slow or answers garbage."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from specserve_operator.controller import core
+from specserve_operator.controller.policy import expected_tokens
+from specserve_operator.controller.reader import MetricsUnavailable, PrometheusReader, fleet_queries
+
+pytestmark = pytest.mark.prometheus
+needs_prometheus = pytest.mark.skipif(
+    shutil.which("prometheus") is None or shutil.which("promtool") is None,
+    reason="prometheus and promtool are not installed (scripts/setup.sh installs them)",
+)
+NS = "ml"
+
+
+@pytest.fixture
+def fleet_history(rows_for, bucket_load, openmetrics_of):
+    """Two pods' last ten minutes: bucket 4 speculating with K=3, bucket 64 plain."""
+    loads = {
+        "4": bucket_load(batch=3, steps_spec=6000, step_s_spec=0.02, k=3),
+        "64": bucket_load(batch=50, steps_plain=3000, step_s_plain=0.03),
+    }
+    rows = rows_for(NS, "pod-a", "draft", loads, alphas=(0.8, 0.75, 0.5), running=3)
+    rows += rows_for(NS, "pod-b", "draft", loads, alphas=(0.8, 0.75, 0.5), running=50)
+    end = time.time() - 5
+    return rows, openmetrics_of(rows, end - 600, end)
+
+
+@needs_prometheus
+def test_reader_gets_the_whole_fleet_in_four_queries(prometheus_factory, fleet_history) -> None:
+    _, text = fleet_history
+    prom = prometheus_factory(openmetrics=text)
+    reader = PrometheusReader(prom.url, window_s=300)
+    snap = reader.read()
+    assert reader.queries == len(fleet_queries(300)) == 4
+    assert set(snap.pods) == {(NS, "pod-a"), (NS, "pod-b")}
+    a = snap.pods[(NS, "pod-a")]
+    assert a.drafter == "draft" and a.mode == "on" and a.policy_version == 1
+    assert a.running == pytest.approx(3)
+    # Counters rose linearly over 600 s; the 300 s window sees half (increase() extrapolates to it).
+    spec4, plain64 = a.buckets["4"], a.buckets["64"]
+    assert spec4.steps_spec == pytest.approx(3000, rel=0.1)
+    assert spec4.seconds_spec / spec4.steps_spec == pytest.approx(0.02, rel=0.02)
+    assert plain64.tokens_plain / plain64.steps_plain == pytest.approx(50, rel=0.02)
+    assert spec4.draft_tokens / spec4.drafts == pytest.approx(3, rel=0.02)
+    assert a.mal == pytest.approx(expected_tokens((0.8, 0.75, 0.5), 3), rel=0.02)
+    pooled = a.by_drafter["draft"]["*"]
+    assert pooled.accepted_pos[1] / pooled.proposed_pos[1] == pytest.approx(0.6, rel=0.02)
+
+
+@needs_prometheus
+def test_decision_from_a_real_prometheus(prometheus_factory, fleet_history, spec_factory) -> None:
+    """The same PromQL the chart's recording rules are built on, evaluated by Prometheus, into a decision."""
+    _, text = fleet_history
+    prom = prometheus_factory(openmetrics=text)
+    spec = spec_factory()
+    view = core.ResourceView(NS, "llm", spec, ("pod-a", "pod-b"))
+    snap = PrometheusReader(prom.url, window_s=300).read()
+    d = core.decide(view, snap, core.ResourceState.initial(spec), core.FleetCosts([view], snap), time.time())
+    assert d.action != "noData"
+    assert d.k_by_bucket["4"] > 0
+    assert d.mean_accepted_length == pytest.approx(expected_tokens((0.8, 0.75, 0.5), 3), rel=0.02)
+
+
+@needs_prometheus
+def test_missing_plugin_falls_back_to_vllm_counters(prometheus_factory) -> None:
+    end = time.time() - 5
+    lines = []
+    for name, total in (("num_drafts", 1000), ("num_draft_tokens", 3000), ("num_accepted_tokens", 1500)):
+        lines.append(f"# TYPE vllm:spec_decode_{name} counter")
+        for i in range(41):
+            t = end - 600 + i * 15
+            lines.append(
+                f'vllm:spec_decode_{name}_total{{namespace="{NS}",pod="p"}} {total * i / 40} {t:.3f}'
+            )
+    prom = prometheus_factory(openmetrics="\n".join(lines) + "\n# EOF\n")
+    obs = PrometheusReader(prom.url, window_s=300).read().pods[(NS, "p")]
+    assert obs.fallback is not None and obs.mal == pytest.approx(2.5, rel=0.02)
+
+
+# ---- faults -----------------------------------------------------------------------------------------
+
+
+class _Stub(BaseHTTPRequestHandler):
+    delay_s = 0.0
+    body = b""
+
+    def do_GET(self) -> None:
+        time.sleep(self.delay_s)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stub_prometheus() -> Iterator:
+    servers = []
+
+    def start(body: bytes, delay_s: float = 0.0) -> str:
+        handler = type("Handler", (_Stub,), {"body": body, "delay_s": delay_s})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_down() -> None:
+    with pytest.raises(MetricsUnavailable) as err:
+        PrometheusReader(f"http://127.0.0.1:{_closed_port()}", timeout_s=1).read()
+    assert err.value.reason == "PrometheusDown"
+
+
+def test_prometheus_slow(stub_prometheus) -> None:
+    url = stub_prometheus(b'{"status":"success","data":{"resultType":"vector","result":[]}}', delay_s=2.0)
+    started = time.monotonic()
+    with pytest.raises(MetricsUnavailable) as err:
+        PrometheusReader(url, timeout_s=0.3).read()
+    assert err.value.reason == "PrometheusSlow"
+    assert time.monotonic() - started < 1.9  # gave up at the timeout, no retries inside the tick
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"<html>502 Bad Gateway</html>",
+        b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"m":"steps"},"value":[0,"x"]}]}}',
+        b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"pod":"p"},"value":[0,"1"]}]}}',
+        b'{"status":"success","data":{"resultType":"scalar","result":[0,"1"]}}',
+        b'{"status":"success"}',
+    ],
+)
+def test_prometheus_garbage(stub_prometheus, body: bytes) -> None:
+    with pytest.raises(MetricsUnavailable) as err:
+        PrometheusReader(stub_prometheus(body), timeout_s=1).read()
+    assert err.value.reason == "PrometheusGarbage"
