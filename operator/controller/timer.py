@@ -24,11 +24,8 @@ from specserve_operator.controller.report import status_patch
 from specserve_operator.kube import KubeApi, KubeError
 from specserve_operator.render import children as render
 
-DEFAULT_PROMETHEUS_URL = os.environ.get(
-    "SPECSERVE_PROMETHEUS_URL", "http://prometheus-operated.monitoring.svc:9090"
-)
-TICK_S = float(os.environ.get("SPECSERVE_CONTROLLER_TICK_S", "5"))
-WINDOW_S = float(os.environ.get("SPECSERVE_METRICS_WINDOW_S", "300"))
+DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+TICK_S = float(os.environ.get("SPECSERVE_CONTROLLER_TICK_S", "5"))  # fixed when the module is imported
 ENGINE_POD_LABELS = {
     "app.kubernetes.io/managed-by": "specserve-operator",
     "app.kubernetes.io/component": "engine",
@@ -38,7 +35,9 @@ ENGINE_POD_LABELS = {
 @kopf.on.startup()
 async def start_controller(memo: kopf.Memo, **_: Any) -> None:
     memo.controller_http = aiohttp.ClientSession()
-    memo.controller = FleetController(DEFAULT_PROMETHEUS_URL, memo.controller_http, window_s=WINDOW_S)
+    url = os.environ.get("SPECSERVE_PROMETHEUS_URL") or DEFAULT_PROMETHEUS_URL
+    window_s = float(os.environ.get("SPECSERVE_METRICS_WINDOW_S", "300"))
+    memo.controller = FleetController(url, memo.controller_http, window_s=window_s)
     memo.controller_last = {}
     memo.controller_tokens = {}
 
@@ -69,12 +68,14 @@ async def _token(memo: kopf.Memo, namespace: str, name: str) -> str | None:
     key = (namespace, name)
     if key not in memo.controller_tokens:
         kube: KubeApi = memo.kube
-        secret = await kube.get("v1", "Secret", namespace, render.names(name)["secret"])
-        data = (secret or {}).get("data") or {}
-        raw = data.get(render.TOKEN_KEY)
-        if raw is None:
+        secret = await kube.get("v1", "Secret", namespace, render.names(name)["secret"]) or {}
+        raw = (secret.get("data") or {}).get(render.TOKEN_KEY)
+        plain = (secret.get("stringData") or {}).get(
+            render.TOKEN_KEY
+        )  # API servers convert it; fakes may not
+        if raw is None and plain is None:
             return None  # not made yet; ask again next tick
-        memo.controller_tokens[key] = base64.b64decode(raw).decode()
+        memo.controller_tokens[key] = plain if raw is None else base64.b64decode(raw).decode()
     return memo.controller_tokens[key]
 
 

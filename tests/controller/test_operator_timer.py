@@ -1,0 +1,177 @@
+"""The controller inside the operator: kopf (all handler modules) against the kmock API server, a real
+Prometheus holding the pods' history, and real HTTP sidecar stand-ins at the pods' addresses."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from typing import Any
+
+import kmock
+import pytest
+
+from specserve_operator.render import children as render
+from specserve_testing.kmock_emulator import NAMESPACE, SERVINGS, RVEmulator, eventually
+
+pytestmark = [
+    pytest.mark.prometheus,
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None or shutil.which("promtool") is None,
+        reason="prometheus and promtool are not installed (scripts/setup.sh installs them)",
+    ),
+]
+NAME = "llm"
+PODS = ("llm-engine-0", "llm-engine-1")
+
+
+def _loopback_hosts() -> tuple[str, str]:
+    """Two loopback addresses (all of 127/8 reaches this host) free on the sidecar port, one per pod."""
+    base = 20 + os.getpid() % 200
+    hosts = []
+    for i in range(1, 250):
+        host = f"127.{base}.{i}.1"
+        with socket.socket() as s:
+            try:
+                s.bind((host, render.SIDECAR_PORT))
+            except OSError:
+                continue
+        hosts.append(host)
+        if len(hosts) == 2:
+            return hosts[0], hosts[1]
+    pytest.skip("no free loopback address for the sidecar port")
+
+
+def _resource() -> dict[str, Any]:
+    return {
+        "apiVersion": "specserve.io/v1alpha1",
+        "kind": "SpeculativeServing",
+        "metadata": {"name": NAME, "namespace": NAMESPACE},
+        "spec": {
+            "replicas": 2,
+            "model": {"name": "llama-3.1-8b-instruct", "source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+            "engine": {"image": "engine:test", "gpu": {"count": 1, "product": "NVIDIA-H100"}},
+            "drafters": [
+                {
+                    "name": "draft",
+                    "method": "draftModel",
+                    "source": "hf://meta-llama/Llama-3.2-1B-Instruct",
+                    "maxSpeculativeTokens": 4,
+                    "placement": "sidecar",
+                }
+            ],
+            "speculation": {"evaluationInterval": "1s", "cooldown": "5m"},
+            "monitoring": {"serviceMonitor": False},
+        },
+    }
+
+
+def _pod(name: str, ip: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": render.common_labels(NAME)},
+        "spec": {"containers": [{"name": "engine", "image": "engine:test"}]},
+        "status": {"podIP": ip, "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def _serving(emulator: RVEmulator) -> dict[str, Any]:
+    return dict(emulator.objects[(kmock.resource(SERVINGS), NAMESPACE, NAME)].raw)
+
+
+def _token(emulator: RVEmulator) -> str | None:
+    key = (kmock.resource("v1/secrets"), NAMESPACE, render.names(NAME)["secret"])
+    if key not in emulator.objects:
+        return None
+    secret = emulator.objects[key].raw
+    return (secret.get("stringData") or {}).get(render.TOKEN_KEY)
+
+
+def _condition(serving: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next(
+        (c for c in (serving.get("status") or {}).get("conditions") or [] if c["type"] == type_), None
+    )
+
+
+@pytest.fixture
+def history(rows_for, bucket_load, openmetrics_of, spec_factory) -> str:
+    """Ten minutes of both pods: speculating at batch ≤ 4, plain and far slower per token at batch 64."""
+    from specserve_operator.controller.core import ResourceView
+
+    spec = spec_factory()
+    prior = ResourceView(NAMESPACE, NAME, spec, PODS).prior(spec.drafters[0])
+    loads = {
+        "4": bucket_load(batch=3, steps_spec=6000, step_s_spec=prior.step_s(3, 3), k=3),
+        "64": bucket_load(batch=50, steps_plain=3000, step_s_plain=prior.step_s(50, 0)),
+    }
+    rows = [r for pod in PODS for r in rows_for(NAMESPACE, pod, "draft", loads, running=3)]
+    end = time.time() - 5
+    return openmetrics_of(rows, end - 600, end)
+
+
+async def _start_fleet(emulator: RVEmulator, sidecars) -> list:
+    await emulator.post(
+        f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings", json=_resource()
+    )
+    token = await eventually(lambda: _token(emulator), timeout=30)
+    stands = []
+    for pod, host in zip(PODS, _loopback_hosts(), strict=True):
+        stands.append(await sidecars(host=host, port=render.SIDECAR_PORT, token=token))
+        await emulator.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=_pod(pod, host))
+    return stands
+
+
+async def test_operator_pushes_a_policy_learned_from_prometheus(
+    kube_emulator: RVEmulator, operator_runner, prometheus_factory, history, sidecars, monkeypatch
+) -> None:
+    prom = prometheus_factory(openmetrics=history)
+    monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", prom.url)
+    async with operator_runner():
+        stands = await _start_fleet(kube_emulator, sidecars)
+        serving = await eventually(
+            lambda: (
+                _serving(kube_emulator)
+                if (_serving(kube_emulator).get("status") or {}).get("kByBucket")
+                else None
+            ),
+            timeout=60,
+        )
+        status = serving["status"]
+        assert _condition(serving, "MetricsAvailable")["status"] == "True"
+        assert status["activeDrafter"] == "draft"
+        assert status["kByBucket"]["4"] > 0
+        assert status["fleet"]["meanAcceptedLength"] > 2.0
+        assert {p["name"] for p in status["pods"]} == set(PODS)
+        assert status["lastDecision"]["action"] in {"enable", "setK", "disable", "trial", "explore"}
+        await eventually(lambda: all(s.puts for s in stands), timeout=30)
+        for s in stands:
+            assert s.policy["kByBucket"]["4"] > 0 and s.policy["drafter"] == "draft"
+        events = [
+            o.raw
+            for (res, _, _), o in kube_emulator.objects.items()
+            if res.plural == "events" and str(o.raw.get("reason", "")).startswith("Policy")
+        ]
+        assert events
+
+
+async def test_prometheus_down_marks_the_condition_and_pushes_nothing(
+    kube_emulator: RVEmulator, operator_runner, sidecars, monkeypatch
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", f"http://127.0.0.1:{closed}")
+    async with operator_runner():
+        stands = await _start_fleet(kube_emulator, sidecars)
+        serving = await eventually(
+            lambda: (
+                _serving(kube_emulator) if _condition(_serving(kube_emulator), "MetricsAvailable") else None
+            ),
+            timeout=60,
+        )
+        cond = _condition(serving, "MetricsAvailable")
+        assert (cond["status"], cond["reason"]) == ("False", "PrometheusDown")
+        assert not (serving.get("status") or {}).get("kByBucket")
+        assert all(not s.puts for s in stands)
