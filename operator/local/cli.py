@@ -59,7 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     up.add_argument("--replicas", type=int, default=None, help="override spec.replicas")
     up.add_argument(
-        "--out", type=Path, default=Path("local-fleet-runs"), help="parent folder of the run folders"
+        "--out",
+        type=Path,
+        default=Path("reports") / "local-fleet",
+        help="parent folder of the run folders (default: %(default)s)",
     )
     up.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR, help="where model sources resolve")
     up.add_argument("--prometheus-port", type=int, default=None, help="default: a free port")

@@ -111,6 +111,9 @@ class Session:
     pattern: TrafficPattern | None = None
 
     def say(self, message: str) -> None:
+        self.plan.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.plan.run_dir / "fleet.log", "a") as log:
+            log.write(f"{datetime.now(UTC).isoformat(timespec='seconds')} {message}\n")
         self.view.messages.append(message)
         self.view.stage = message
         self.on_change()

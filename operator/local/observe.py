@@ -64,7 +64,7 @@ def batch_expr(namespace: str) -> str:
     return f'sum by (pod) ({m.VLLM_REQUESTS_RUNNING}{{namespace="{namespace}"}})'
 
 
-def tokens_expr(namespace: str, window: str = "5s") -> str:
+def tokens_expr(namespace: str, window: str = "10s") -> str:
     return f'sum by (pod) (rate({m.VLLM_GENERATION_TOKENS}{{namespace="{namespace}"}}[{window}]))'
 
 
