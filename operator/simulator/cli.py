@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from specserve_operator.simulator.fleet import POLICIES, FleetSim, SimConfig
 from specserve_operator.simulator.traces import load_trace
@@ -30,7 +31,8 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def print_table(report: dict, out: object = sys.stdout) -> None:
+def print_table(report: dict, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
     print(
         f"trace {report['trace']} ({report['duration_s'] / 3600:.1f} h, simulated in {report['wall_s']} s)",
         file=out,

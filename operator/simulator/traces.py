@@ -31,7 +31,7 @@ def load_trace(path: str | Path, tail_s: float | None = None) -> Trace:
     starts, rates, code = [], [], []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames is None or set(reader.fieldnames) < {"t_s", "rate_rps", "code_fraction"}:
+        if reader.fieldnames is None or not {"t_s", "rate_rps", "code_fraction"} <= set(reader.fieldnames):
             raise ValueError(f"{path}: header must be t_s,rate_rps,code_fraction (got {reader.fieldnames})")
         for line, row in enumerate(reader, start=2):
             try:
