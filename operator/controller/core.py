@@ -438,7 +438,7 @@ def _plan_canary(
         # Due every trial period, and sooner when its last score beats the live score of the drafter
         # in force (the traffic mix may have moved in its favour): measure it again, then compare.
         promising = state.last_score.get(name, 0.0) > active_score * (1 + SWITCH_MARGIN)
-        if since_trial < TRIAL_PERIOD_S and not (promising and since_trial >= spc.cooldown_seconds):
+        if since_trial < TRIAL_PERIOD_S and not (promising and since_trial >= 2 * TRIAL_TICKS * interval):
             continue
         cost = costs.cost(view, d)
         choices = pol.choose_table(accs[name], cost, spc.batch_buckets, d.max_speculative_tokens)
