@@ -50,8 +50,14 @@ def simulate(trace_path: Path, quantum_s: float) -> dict:
     results = sim.run()
     policies = {name: r.summary(trace.duration_s) for name, r in results.items()}
     hours = len(policies["off"]["hourly"])
-    hourly_goodput, hourly_tpot = [], []
+    hourly_goodput, hourly_tpot, cumulative = [], [], []
+    served = dict.fromkeys(policies, 0.0)
     for h in range(hours):
+        # Tokens served by the end of each hour: a policy that fell behind at the peak and serves its
+        # backlog an hour late does not count as ahead in the later hour.
+        for name in policies:
+            served[name] += policies[name]["hourly"][h]["goodput_tokens_per_s"]
+        cumulative.append(served["specserve"] / max(served[n] for n in STATIC))
         row = {name: policies[name]["hourly"][h] for name in policies}
         best_good = max(row[n]["goodput_tokens_per_s"] for n in STATIC)
         hourly_goodput.append(row["specserve"]["goodput_tokens_per_s"] / best_good if best_good else 1.0)
@@ -71,6 +77,7 @@ def simulate(trace_path: Path, quantum_s: float) -> dict:
         "policies": policies,
         "specserve_vs_best_static_min_hourly": round(min(hourly_goodput), 4),
         "specserve_vs_best_static_min_hourly_tpot": round(min(hourly_tpot), 4),
+        "specserve_vs_best_static_min_hourly_cumulative": round(min(cumulative), 4),
         "specserve_vs_oracle": round(spec["goodput_tokens_per_s"] / oracle["goodput_tokens_per_s"], 4),
         "specserve_vs_oracle_tpot": round(oracle["tpot_mean_ms"] / spec["tpot_mean_ms"], 4),
     }
@@ -287,6 +294,9 @@ def main() -> int:
         "specserve_vs_best_static_min_hourly_tpot": min(
             r["specserve_vs_best_static_min_hourly_tpot"] for r in runs
         ),
+        "specserve_vs_best_static_min_hourly_cumulative": min(
+            r["specserve_vs_best_static_min_hourly_cumulative"] for r in runs
+        ),
         "specserve_vs_oracle": min(r["specserve_vs_oracle"] for r in runs),
         "specserve_vs_oracle_tpot": min(r["specserve_vs_oracle_tpot"] for r in runs),
         "low_batch_tpot_speedup_vs_off": low["low_batch_tpot_speedup_vs_off"],
@@ -308,7 +318,9 @@ def main() -> int:
             "measured in DESIGN §9 (4.3 TB/s, 790 TFLOP/s bf16); no GPU was lent to this session, so no "
             "h200_calibration.json. Goodput is delivered output tokens per second: on an open-loop trace "
             "every policy that keeps up delivers the same tokens, so goodput ratios differ only where a "
-            "policy saturates; the *_tpot ratios (best TPOT / specserve TPOT) show the latency side."
+            "policy saturates; the *_tpot ratios (best TPOT / specserve TPOT) show the latency side. A "
+            "policy that saturates at the peak serves its backlog in later hours, above that hour's demand: "
+            "*_cumulative compares tokens served by the end of each hour instead."
         ),
         "goals": GOALS,
         "summary": summary,
