@@ -148,12 +148,16 @@ async def test_operator_pushes_a_policy_learned_from_prometheus(
         await eventually(lambda: all(s.puts for s in stands), timeout=30)
         for s in stands:
             assert s.policy["kByBucket"]["4"] > 0 and s.policy["drafter"] == "draft"
-        events = [
-            o.raw
-            for (res, _, _), o in kube_emulator.objects.items()
-            if res.plural == "events" and str(o.raw.get("reason", "")).startswith("Policy")
-        ]
-        assert events
+
+        def policy_events() -> list:
+            return [
+                o.raw
+                for (res, _, _), o in kube_emulator.objects.items()
+                if res.plural == "events" and str(o.raw.get("reason", "")).startswith("Policy")
+            ]
+
+        # kopf posts events from a queue of its own: they arrive a moment after the status.
+        await eventually(policy_events, timeout=30)
 
 
 async def test_prometheus_down_marks_the_condition_and_pushes_nothing(
