@@ -34,7 +34,7 @@ class LlamaShape:
     def from_config(cls, cfg: dict) -> LlamaShape:
         if cfg.get("model_type") not in ("llama", None):
             raise DrafterError(f"model_type {cfg.get('model_type')!r} is not a Llama checkpoint")
-        scaling = cfg.get("rope_scaling")
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", None):
             raise DrafterError(f"rope_scaling {scaling} is not supported by the sidecar's Llama drafter")
         heads = int(cfg["num_attention_heads"])

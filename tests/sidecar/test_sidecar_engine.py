@@ -18,7 +18,7 @@ from specserve_engine.api import PolicyRequest, SidecarConfig, SidecarDrafter, S
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.client import SidecarClient
 from specserve_engine.draft_protocol import DEADLINE_ENV
-from specserve_engine.launch import EngineSpec, free_port, start_engine
+from specserve_engine.launch import EngineSpec, free_port, start_engines
 from specserve_engine.server import SidecarProcess, start_sidecar
 from specserve_testing.engines import (
     DOMAINS,
@@ -83,6 +83,7 @@ class SidecarPod:
     engine: RunningEngine
     sidecar: SidecarProcess
     workdir: Path
+    reference: RunningEngine
     version: int = 1
 
     def restart_sidecar(self) -> None:
@@ -106,41 +107,56 @@ class SidecarPod:
         raise AssertionError(f"policy {self.version} ({drafter}) not in force after {timeout_s} s")
 
 
+# float32: vLLM's CPU default downcasts the float32 checkpoint to bfloat16, where the verification of
+# K+1 tokens at once and one-token decode round differently enough to flip near-tied greedy choices.
+DTYPE = "float32"
+
+
 @pytest.fixture(scope="module")
 def sidecar_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarPod]:
-    """One engine whose drafts come from a sidecar process, with all the sidecar drafters."""
+    """Two engines started together: one without speculation (the reference) and one whose drafts come
+    from a sidecar process hosting all the sidecar drafters."""
     workdir = tmp_path_factory.mktemp("sidecar-pod")
     runtime = workdir / "run"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
     engine_drafter = SidecarDrafter(
         name="sidecar", method="ngram", maxSpeculativeTokens=MAX_K, placement="sidecar"
     )
-    spec = EngineSpec(
-        model=str(TARGET),
-        served_model_name="tiny-sidecar",
-        runtime_dir=str(runtime),
-        drafter=engine_drafter,
-        max_num_seqs=MAX_NUM_SEQS,
-        bucket_bounds=BUCKETS,
-        env={DEADLINE_ENV: "250"},
-    )
-    process = start_engine(spec, workdir / "engine.log")
+    common = {"model": str(TARGET), "max_num_seqs": MAX_NUM_SEQS, "bucket_bounds": BUCKETS, "dtype": DTYPE}
+    specs = [
+        EngineSpec(served_model_name="tiny-plain32", runtime_dir=str(workdir / "plain"), **common),
+        EngineSpec(
+            served_model_name="tiny-sidecar",
+            runtime_dir=str(runtime),
+            drafter=engine_drafter,
+            env={DEADLINE_ENV: "250"},
+            **common,
+        ),
+    ]
     pod: SidecarPod | None = None
     try:
         sidecar.wait_ready()
-        process.wait_ready(ENGINE_START_TIMEOUT_S)
+        plain, process = start_engines(specs, workdir / "logs", timeout_s=ENGINE_START_TIMEOUT_S)
+    except BaseException:
+        sidecar.stop()
+        raise
+    try:
         engine = RunningEngine("tiny-sidecar", process, engine_drafter, runtime, runtime / "steps.jsonl")
-        pod = SidecarPod(engine, sidecar, workdir)
+        reference = RunningEngine(
+            "tiny-plain32", plain, None, workdir / "plain", workdir / "plain" / "steps.jsonl"
+        )
+        pod = SidecarPod(engine, sidecar, workdir, reference)
         yield pod
     finally:
         process.stop()
+        plain.stop()
         (pod.sidecar if pod else sidecar).stop()  # the pod's sidecar may be a restarted one
 
 
 @pytest.fixture(scope="module")
-def reference(plain_engine: RunningEngine) -> dict[str, list[str]]:
+def reference(sidecar_pod: SidecarPod) -> dict[str, list[str]]:
     """Greedy completions of every domain's prompts by the engine without speculation."""
-    return {d: asyncio.run(complete_many(plain_engine, prompts(d), TOKENS)) for d in DOMAINS}
+    return {d: asyncio.run(complete_many(sidecar_pod.reference, prompts(d), TOKENS)) for d in DOMAINS}
 
 
 async def spec_counters(engine: RunningEngine) -> tuple[float, float]:
