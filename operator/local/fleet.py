@@ -325,8 +325,9 @@ async def _run_traffic(s: Session, loadgen: LoadGenerator, label: str, pattern: 
     s.view.pattern = pattern
     s.run_started = asyncio.get_running_loop().time()
     s.say(f"run {label}: {pattern.render()}")
-    task = asyncio.create_task(loadgen.run(label, pattern))
+    loadgen.progress = None  # the previous run's, until this run makes its own
     s.view.progress = None
+    task = asyncio.create_task(loadgen.run(label, pattern))
     while s.view.progress is None and not task.done():
         s.view.progress = loadgen.progress
         await asyncio.sleep(0.05)
