@@ -6,14 +6,18 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import random
 from collections.abc import Sequence
 
 import kopf
+import prometheus_client
 
 # Every module whose import registers kopf handlers. Another part adds its module here with one line.
 HANDLER_MODULES: tuple[str, ...] = ("specserve_operator.handlers", "specserve_operator.controller.timer")
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+METRICS_PORT_ENV = "SPECSERVE_OPERATOR_METRICS_PORT"
+DEFAULT_METRICS_PORT = 9095
 
 
 def load_handlers(modules: Sequence[str] = HANDLER_MODULES) -> None:
@@ -58,6 +62,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--peering", default=None, help="peering object name (then it must exist)")
     parser.add_argument("--priority", type=int, default=None, help="peering priority (default: random)")
     parser.add_argument("--liveness", default=DEFAULT_LIVENESS, help="liveness endpoint URL ('' = none)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get(METRICS_PORT_ENV, DEFAULT_METRICS_PORT)),
+        help=f"serve the operator's /metrics on this port (0 = off; env {METRICS_PORT_ENV})",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.set_defaults(func=_run)
 
@@ -66,6 +76,9 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(message)s"
     )
+    if args.metrics_port:
+        # The controller's decision and tick metrics live in the default registry.
+        prometheus_client.start_http_server(args.metrics_port)
     asyncio.run(
         run_operator(
             namespaces=args.namespace,

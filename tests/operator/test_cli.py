@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import urllib.request
 from typing import Any
 
 import kopf
+import prometheus_client
 import pytest
 
+from specserve_engine import metric_names
 from specserve_operator import cli, runner
+from specserve_operator.local.prometheus import free_port
 
 
 @pytest.fixture()
 def kopf_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(prometheus_client, "start_http_server", lambda port: calls.append({"metrics": port}))
 
     async def record(**kwargs: Any) -> None:
         calls.append(kwargs)
@@ -25,7 +30,8 @@ def test_defaults_are_cluster_wide_with_peering_and_a_liveness_endpoint(
     kopf_calls: list[dict[str, Any]],
 ) -> None:
     assert cli.main(["operator"]) == 0
-    [call] = kopf_calls
+    metrics, call = kopf_calls
+    assert metrics == {"metrics": runner.DEFAULT_METRICS_PORT}
     assert call["clusterwide"] is True and call["namespaces"] == []
     assert call["standalone"] is None and call["peering_name"] is None
     assert 1 <= call["priority"] <= 32767
@@ -34,7 +40,21 @@ def test_defaults_are_cluster_wide_with_peering_and_a_liveness_endpoint(
 
 def test_namespaces_priority_and_named_peering(kopf_calls: list[dict[str, Any]]) -> None:
     cli.main(
-        ["operator", "-n", "a", "-n", "b", "--priority", "7", "--peering", "specserve", "--liveness", ""]
+        [
+            "operator",
+            "-n",
+            "a",
+            "-n",
+            "b",
+            "--priority",
+            "7",
+            "--peering",
+            "specserve",
+            "--liveness",
+            "",
+            "--metrics-port",
+            "0",
+        ]
     )
     [call] = kopf_calls
     assert call["clusterwide"] is False and call["namespaces"] == ["a", "b"]
@@ -42,6 +62,19 @@ def test_namespaces_priority_and_named_peering(kopf_calls: list[dict[str, Any]])
 
 
 def test_standalone_ignores_peering(kopf_calls: list[dict[str, Any]]) -> None:
-    cli.main(["operator", "--standalone", "--peering", "specserve"])
+    cli.main(["operator", "--standalone", "--peering", "specserve", "--metrics-port", "0"])
     [call] = kopf_calls
     assert call["standalone"] is True and call["peering_name"] is None
+
+
+def test_the_operator_serves_its_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no_kopf(**kwargs: Any) -> None:
+        return None
+
+    monkeypatch.setattr(kopf, "operator", no_kopf)
+    port = free_port()
+    assert cli.main(["operator", "--metrics-port", str(port)]) == 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for metric in (metric_names.OPERATOR_DECISIONS, metric_names.OPERATOR_TICK_SECONDS):
+        assert f"# HELP {metric.name}" in text
