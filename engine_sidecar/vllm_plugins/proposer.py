@@ -4,8 +4,10 @@ Named in the engine's speculative config as
 `{"method": "custom_class", "model": "specserve_engine.vllm_plugins.proposer.SidecarProposer",
 "num_speculative_tokens": K_MAX}`. It runs inside the worker process, once per engine step, and must never
 stall the engine or fail a request: every call is bounded by a deadline (env SPECSERVE_DRAFT_DEADLINE_MS),
-and a late, broken or missing sidecar yields no drafts for that step. After a failure the socket is
-reopened at most once per `retry_s`, so a hung sidecar costs one deadline per retry, not one per step.
+and a late, broken or missing sidecar yields no drafts for that step. A late answer keeps the connection
+(and the sidecar's per-sequence caches): the next call reads and drops it. After `max_late` late answers
+in a row, or any error, the socket is closed and reopened at most once per `retry_s`, so a hung sidecar
+costs a few deadlines per retry, not one per step.
 
 vLLM gives the proposer no request ids, only the input-batch rows. Each row is tracked by what was last
 sent for it (length and CRC of those tokens); when the row's prefix no longer matches (the request
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import time
 import zlib
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ import numpy as np
 from specserve_engine.draft_protocol import (
     DEADLINE_ENV,
     DEFAULT_DEADLINE_MS,
+    MAX_FRAME_BYTES,
     SOCKET_NAME,
     DraftRequest,
     ProtocolError,
@@ -36,7 +40,6 @@ from specserve_engine.draft_protocol import (
     RowUpdate,
     decode_response,
     encode_request,
-    recv_frame,
 )
 from specserve_engine.policy_file import RUNTIME_DIR_ENV
 
@@ -60,6 +63,7 @@ class DraftClient:
         vocab_size: int,
         deadline_s: float = DEFAULT_DEADLINE_MS / 1000,
         retry_s: float = 1.0,
+        max_late: int = 3,
     ) -> None:
         self.socket_path = str(socket_path)
         self.max_k = max_k
@@ -67,6 +71,9 @@ class DraftClient:
         self.vocab_size = vocab_size
         self.deadline_s = deadline_s
         self.retry_s = retry_s
+        self.max_late = max_late  # consecutive late answers before the sidecar counts as hung
+        self._late = 0
+        self._buf = bytearray()  # received bytes not yet a whole frame
         self._sock: socket.socket | None = None
         self._next_connect = 0.0
         self._call_id = 0
@@ -108,14 +115,25 @@ class DraftClient:
         request = DraftRequest(self._call_id, len(sampled_token_ids), rows)
         t0 = time.perf_counter()
         try:
-            answers = self._round_trip(request, t0 + self.deadline_s)
+            self._send(request, t0 + self.deadline_s)
+            # Sent whole: the sidecar applies every request in order, answered in time or not.
+            self._sent.update(sent_now)
+            answers = self._receive(request, t0 + self.deadline_s)
+        except TimeoutError:
+            self.missed += 1
+            self._late += 1
+            if self._late >= self.max_late:
+                self._drop(
+                    f"{self._late} draft calls in a row missed the {self.deadline_s * 1000:.0f} ms deadline"
+                )
+            return drafts  # a late answer is read and dropped by the next call (call_id)
         except (OSError, ConnectionError, ProtocolError) as exc:
             self._drop(f"no drafts this step: {exc!r}")
             self.missed += 1
             return drafts
+        self._late = 0
         self.last_rtt_s = time.perf_counter() - t0
         self.answered += 1
-        self._sent.update(sent_now)
         for update, answer in zip(rows, answers, strict=True):
             if answer.status != RowStatus.OK:
                 self._sent.pop(update.row, None)
@@ -131,22 +149,44 @@ class DraftClient:
             out.append(t)
         return out
 
-    def _round_trip(self, request: DraftRequest, deadline: float) -> list[Any]:
+    def _send(self, request: DraftRequest, deadline: float) -> None:
         sock = self._sock
         assert sock is not None
+        frame = encode_request(request)
         sock.settimeout(max(deadline - time.perf_counter(), 1e-4))
-        sock.sendall(encode_request(request))
+        try:
+            sock.sendall(frame)
+        except TimeoutError as exc:  # part of a frame may be out: the stream cannot be resumed
+            raise ConnectionError("send timed out") from exc
+
+    def _receive(self, request: DraftRequest, deadline: float) -> list[Any]:
         while True:
-            sock.settimeout(max(deadline - time.perf_counter(), 1e-4))
-            body = recv_frame(sock)
-            if body is None:
-                raise ConnectionError("sidecar closed the socket")
-            response = decode_response(body)
+            response = decode_response(self._read_frame(deadline))
             if response.call_id != request.call_id:
-                continue  # cannot happen on a fresh connection; ignore rather than misattribute
+                continue  # the late answer to an earlier call: its step has passed
             if len(response.answers) != len(request.rows):
                 raise ProtocolError(f"{len(response.answers)} answers for {len(request.rows)} rows")
             return response.answers
+
+    def _read_frame(self, deadline: float) -> bytes:
+        """One frame's body; on TimeoutError the bytes read so far stay buffered for the next call."""
+        sock = self._sock
+        assert sock is not None
+        buf = self._buf
+        while True:
+            if len(buf) >= 4:
+                (n,) = struct.unpack_from("<I", buf)
+                if n > MAX_FRAME_BYTES:
+                    raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
+                if len(buf) >= 4 + n:
+                    body = bytes(buf[4 : 4 + n])
+                    del buf[: 4 + n]
+                    return body
+            sock.settimeout(max(deadline - time.perf_counter(), 1e-4))
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("sidecar closed the socket")
+            buf += chunk
 
     def _connect(self) -> bool:
         if self._sock is not None:
@@ -163,6 +203,7 @@ class DraftClient:
             sock.close()
             return False
         self._sock = sock
+        self._buf.clear()
         self._sent.clear()  # the sidecar's tables are per connection: resend every row in full
         log.info("specserve proposer connected to the sidecar at %s", self.socket_path)
         return True
@@ -173,6 +214,8 @@ class DraftClient:
             self._sock.close()
         self._sock = None
         self._sent.clear()
+        self._late = 0
+        self._buf.clear()
         self._next_connect = time.monotonic() + self.retry_s
 
     def close(self) -> None:

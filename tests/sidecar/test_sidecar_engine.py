@@ -188,8 +188,10 @@ async def test_greedy_output_identical_and_mal(
         assert out == reference[domain], f"{drafter} on {domain}: output differs from no speculation"
     print(f"MAL {drafter}: {json.dumps(mal)}")
     assert mal["code"] is not None and mal["code"] > 1.0, mal
-    if drafter in ("tiny-draft", "ngram"):
-        # Templated code-like text is far more predictable than prose: the training data says so.
+    if drafter == "tiny-draft":
+        # Templated code-like text is far more predictable than prose for a model trained on both (the
+        # draft model's held-out loss is ten times lower on code). Lookup drafters follow repetition
+        # within the text instead, which the domains do not order.
         assert mal["prose"] is None or mal["code"] > mal["prose"], mal
 
 
