@@ -132,11 +132,13 @@ async def reconcile(
     options: render.RenderOptions = memo.options
     try:
         monitor_api = await kube.has_resource("monitoring.coreos.com/v1", "servicemonitors")
+        # Pods run the controller's active drafter, so a reconcile never undoes its rollout.
+        running = render.with_active_drafter(parsed, status.get("activeDrafter"))
         children = render.build_children(
-            name, namespace, parsed, options=options, service_monitor_available=monitor_api
+            name, namespace, running, options=options, service_monitor_available=monitor_api
         )
         kopf.append_owner_reference(children, owner=body)
-        if render.has_sidecar(parsed):
+        if render.has_sidecar(running):
             secret = render.build_secret(name, namespace, render.new_control_token())
             kopf.append_owner_reference(secret, owner=body)
             await kube.create_if_absent(secret)  # the token is made once and never rotated

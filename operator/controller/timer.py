@@ -134,9 +134,7 @@ async def _rollout(memo: kopf.Memo, body: kopf.Body, view: core.ResourceView, dr
     re-rendered (helper A's render path) with that drafter as the engine's, and applied; the Deployment's
     surge rollout (maxSurge 1, maxUnavailable 0) brings new pods up, warmed before they are ready
     (the sidecar's readiness waits for warmupRequests), before old ones go."""
-    spec = view.spec.model_copy(
-        update={"speculation": view.spec.speculation.model_copy(update={"default_drafter": drafter})}
-    )
+    spec = render.with_active_drafter(view.spec, drafter)
     children = [render.build_deployment(view.name, view.namespace, spec, memo.options)]
     if render.has_sidecar(spec):
         children.insert(0, render.build_config_map(view.name, view.namespace, spec))

@@ -106,6 +106,18 @@ def has_sidecar(spec: SpeculativeServingSpec) -> bool:
     return bool(spec.drafters)
 
 
+def with_active_drafter(spec: SpeculativeServingSpec, active: str | None) -> SpeculativeServingSpec:
+    """The spec the pods are rendered from: the controller's choice (status.activeDrafter), where it still
+    names one of the spec's drafters, replaces defaultDrafter as the drafter pods start with. Without
+    this, the next reconcile would roll back a rollout the controller made to another engine method."""
+    if active is None or active == spec.speculation.default_drafter:
+        return spec
+    if active not in {d.name for d in spec.drafters}:
+        return spec
+    speculation = spec.speculation.model_copy(update={"default_drafter": active})
+    return spec.model_copy(update={"speculation": speculation})
+
+
 def engine_drafter(spec: SpeculativeServingSpec) -> DrafterSpec | None:
     """The drafter vLLM is started with: the initial drafter if vLLM runs it (colocated); otherwise the
     sidecar-hosted drafter with the largest maxSpeculativeTokens (vLLM sizes its buffers for that K)."""

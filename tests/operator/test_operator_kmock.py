@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -320,3 +321,25 @@ async def test_an_update_that_breaks_the_resource_changes_no_child(
     assert "spec.speculation.batchBuckets" in condition["message"]
     assert len(kube_emulator["patch", kmock.resource("apps/v1/deployments")]) == writes_before
     assert _children(kube_emulator, "llama") == before
+
+
+async def test_a_reconcile_keeps_the_controllers_rollout(kube_emulator: RVEmulator, operator_runner) -> None:
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        await eventually(lambda: _deployed(kube_emulator, "llama"))
+        path = f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/llama"
+        merge = {"Content-Type": "application/merge-patch+json"}
+        # The controller moved the fleet to the n-gram drafter; then a person scales the resource.
+        await kube_emulator.patch(
+            f"{path}/status", json={"status": {"activeDrafter": "ngram"}}, headers=merge
+        )
+        await kube_emulator.patch(path, json={"spec": {"replicas": 5}}, headers=merge)
+
+        def scaled() -> dict[str, Any] | None:
+            deployment = _get(kube_emulator, "apps/v1/deployments", "llama")
+            return deployment if deployment["spec"]["replicas"] == 5 else None
+
+        deployment = await eventually(scaled)
+    engine = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "engine")
+    config = json.loads(engine["args"][engine["args"].index("--speculative-config") + 1])
+    assert config["method"] == "ngram"

@@ -322,3 +322,14 @@ def test_examples_render_to_valid_kubernetes_objects(path: Path) -> None:
         assert obj["metadata"]["namespace"] == namespace
         if obj["kind"] != "ServiceMonitor":
             kubernetes_validate.validate(obj, "1.32", strict=True)
+
+
+def test_pods_run_the_controllers_active_drafter() -> None:
+    two = _spec(drafters=[_drafter("eagle3", "colocated", "eagle3"), _drafter("ngram", "colocated", "ngram")])
+    spec = parse_spec(two)
+    running = render.with_active_drafter(spec, "ngram")
+    assert render.engine_drafter(running).name == "ngram"
+    assert running.initial_drafter.name == "ngram" and spec.initial_drafter.name == "eagle3"
+    # No choice yet, or a drafter the spec no longer has: the spec's own default.
+    assert render.with_active_drafter(spec, None) is spec
+    assert render.engine_drafter(render.with_active_drafter(spec, "removed")).name == "eagle3"
