@@ -217,7 +217,10 @@ class SpeculationSpec(_Model):
         default=None,
         max_length=63,
         alias="defaultDrafter",
-        description="The drafter pods start with; must name one of spec.drafters; unset: the first.",
+        description=(
+            "The drafter pods start with, until the controller chooses another (status.activeDrafter, "
+            "which later renders keep); must name one of spec.drafters; unset: the first."
+        ),
     )
     batch_buckets: list[Annotated[int, Field(ge=1, le=65536)]] = Field(
         default_factory=lambda: list(DEFAULT_BUCKETS),
