@@ -69,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--controller-window",
         type=float,
-        default=20.0,
+        default=60.0,
         help="seconds of metrics each controller decision looks at (default: %(default)s)",
     )
     up.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache per engine (default: %(default)s)")

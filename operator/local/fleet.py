@@ -72,7 +72,9 @@ class UpOptions:
     prometheus_port: int | None = None
     kv_cache_gib: int = 1
     engine_timeout_s: float = 600.0
-    window_s: float = 20.0  # the controller's rate window: short, since a traffic phase lasts a minute
+    # The controller's rate window: a minute, not the cluster's five, since a traffic phase lasts one or
+    # two; long enough that a bucket switched off keeps its measured step times until load changes.
+    window_s: float = 60.0
     settle_s: float = 3.0  # quiet gap between two runs, so one run's requests do not leak into the next
     seed: int = 0
 

@@ -26,14 +26,30 @@ def models(tmp_path: Path) -> Path:
 
 def _manifest(tmp_path: Path, **spec_changes: object) -> Path:
     raw = yaml.safe_load(EXAMPLE.read_text())
-    raw["spec"].update(spec_changes)
+    for key, value in spec_changes.items():
+        # A mapping merges into the example's (speculation: {defaultDrafter: x} keeps its buckets).
+        if isinstance(value, dict) and isinstance(raw["spec"].get(key), dict):
+            raw["spec"][key] = {**raw["spec"][key], **value}
+        else:
+            raw["spec"][key] = value
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
 def test_example_plans_one_pod_per_replica(tmp_path: Path, models: Path) -> None:
-    resource = load_manifest(_manifest(tmp_path, replicas=2))
+    drafters = [
+        {
+            "name": "tiny-draft",
+            "method": "draftModel",
+            "source": "pvc://models/tiny-draft",
+            "placement": "sidecar",
+        },
+        {"name": "ngram", "method": "ngram", "placement": "sidecar"},
+    ]
+    resource = load_manifest(
+        _manifest(tmp_path, replicas=2, drafters=drafters, speculation={"defaultDrafter": "tiny-draft"})
+    )
     plan = plan_fleet(resource, run_dir=tmp_path / "run", models_dir=models, ports=[1, 2, 3, 4], cpu_cores=2)
     assert [r.name for r in plan.replicas] == ["tiny-0", "tiny-1"]
     assert plan.namespace == "local"
@@ -76,7 +92,9 @@ def test_colocated_initial_drafter_runs_in_the_engine(tmp_path: Path, models: Pa
 
 
 def test_a_drafter_is_required(tmp_path: Path, models: Path) -> None:
-    resource = load_manifest(_manifest(tmp_path, drafters=[], speculation={"mode": "off"}))
+    resource = load_manifest(
+        _manifest(tmp_path, drafters=[], speculation={"mode": "off", "defaultDrafter": None})
+    )
     with pytest.raises(LocalFleetError, match=r"spec\.drafters"):
         plan_fleet(resource, run_dir=tmp_path, models_dir=models, ports=[1, 2])
 
