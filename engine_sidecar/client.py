@@ -49,9 +49,12 @@ class SidecarClient:
             ) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status >= 400:
-                    err = ApiError.model_validate(data) if isinstance(data, dict) and "error" in data else None
+                    err = (
+                        ApiError.model_validate(data) if isinstance(data, dict) and "error" in data else None
+                    )
                     raise SidecarError(
-                        err.error if err else f"HTTP {resp.status}", status=resp.status,
+                        err.error if err else f"HTTP {resp.status}",
+                        status=resp.status,
                         field=err.field if err else None,
                     )
                 return resp.status, data

@@ -90,7 +90,10 @@ SIDECAR_SWITCHES = Metric(
     "specserve_sidecar_switches", "counter", ("kind", "result"), "Policy changes applied or refused."
 )
 SIDECAR_DRAFT_SECONDS = Metric(
-    "specserve_sidecar_draft_seconds", "histogram", (DRAFTER,), "Time the sidecar took to answer a draft call."
+    "specserve_sidecar_draft_seconds",
+    "histogram",
+    (DRAFTER,),
+    "Time the sidecar took to answer a draft call.",
 )
 
 # --- operator ---------------------------------------------------------------------------------------

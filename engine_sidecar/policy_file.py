@@ -52,7 +52,7 @@ class PodPolicy:
         )
 
     def schedule(self, max_batch: int) -> list[tuple[int, int, int]]:
-        """The policy as vLLM's dynamic-SD schedule: inclusive (start, end, K) ranges covering 1..max_batch."""
+        """The policy as vLLM's dynamic-SD schedule: inclusive (start, end, K) ranges over 1..max_batch."""
         ranges: list[tuple[int, int, int]] = []
         start = 1
         for bound in (*self.bucket_bounds, None):
