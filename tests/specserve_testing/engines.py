@@ -93,21 +93,43 @@ class RunningEngine:
 
 
 async def complete(
-    session: aiohttp.ClientSession, engine: RunningEngine, prompt: str, max_tokens: int = 48
+    session: aiohttp.ClientSession,
+    engine: RunningEngine,
+    prompt: str,
+    max_tokens: int = 48,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> str:
-    """One greedy completion; raises on any HTTP error."""
-    body = {"model": engine.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    """One completion of exactly `max_tokens` tokens (EOS ignored): greedy by default, else sampled with a
+    fixed seed. Raises on any HTTP error."""
+    body = {
+        "model": engine.name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "ignore_eos": True,
+    }
     async with session.post(f"{engine.url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
         data = await resp.json()
     return data["choices"][0]["text"]
 
 
-async def complete_many(engine: RunningEngine, prompts_: list[str], max_tokens: int = 48) -> list[str]:
-    """Greedy completions of all prompts, sent concurrently (they batch inside the engine)."""
+async def complete_many(
+    engine: RunningEngine, prompts_: list[str], max_tokens: int = 48, temperature: float = 0.0
+) -> list[str]:
+    """Completions of all prompts, sent concurrently (they batch inside the engine)."""
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        return list(await asyncio.gather(*(complete(session, engine, p, max_tokens) for p in prompts_)))
+        return list(
+            await asyncio.gather(
+                *(
+                    complete(session, engine, p, max_tokens, temperature, seed=i)
+                    for i, p in enumerate(prompts_)
+                )
+            )
+        )
 
 
 async def scrape(engine: RunningEngine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
