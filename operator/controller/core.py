@@ -166,13 +166,17 @@ class Decision:
 
 class FleetCosts:
     """Calibrated step-time models, one per (model, GPU, TP, drafter) group, pooled over every pod of
-    every resource in that group: what one resource learns about the hardware, all use."""
+    every resource in that group: what one resource learns about the hardware, all use. With `memory`
+    (kept by the caller between ticks), every ratio measured in this window is remembered, and a bucket
+    without a measurement in the window uses its remembered ratio (until `memory.ttl_s` after `now`)."""
 
     def __init__(
         self,
         views: Iterable[ResourceView],
         snapshot: FleetSnapshot,
         mixed: Iterable[tuple[str, str]] = (),
+        memory: pol.RatioMemory | None = None,
+        now: float = 0.0,
     ) -> None:
         mixed_pods = set(mixed)
         pooled: dict[tuple, dict[str, BucketStats]] = {}
@@ -197,12 +201,22 @@ class FleetCosts:
         self._pooled = pooled
         self._cache: dict[tuple, pol.CalibratedCost] = {}
         self._own_cache: dict[tuple, pol.CalibratedCost] = {}
+        groups = set(memory.plain) | set(memory.spec) if memory is not None else set()
+        self._remembered = {group: memory.recall(group, now) for group in groups}  # type: ignore[union-attr]
+        if memory is not None:
+            for group in pooled:
+                own = self._own(group)
+                memory.record(group, own.plain_ratio, own.spec_ratio, now)
 
-    def _own(self, group: tuple, view: ResourceView, drafter: DrafterSpec | None) -> pol.CalibratedCost:
+    def _own(
+        self, group: tuple, view: ResourceView | None = None, drafter: DrafterSpec | None = None
+    ) -> pol.CalibratedCost:
         if group not in self._own_cache:
-            prior = self._priors.get(group) or view.prior(drafter)  # type: ignore[arg-type]
-            bounds = self._bounds.get(group) or tuple(view.spec.speculation.batch_buckets)
-            self._own_cache[group] = pol.CalibratedCost(prior, self._pooled.get(group, {}), bounds)
+            prior = self._priors.get(group) or view.prior(drafter)  # type: ignore[arg-type,union-attr]
+            bounds = self._bounds.get(group) or tuple(view.spec.speculation.batch_buckets)  # type: ignore[union-attr]
+            self._own_cache[group] = pol.CalibratedCost(
+                prior, self._pooled.get(group, {}), bounds, remembered=self._remembered.get(group, ({}, {}))
+            )
         return self._own_cache[group]
 
     def cost(self, view: ResourceView, drafter: DrafterSpec) -> pol.CalibratedCost:
@@ -220,7 +234,9 @@ class FleetCosts:
                 excess = measured[len(measured) // 2] if measured else None
             prior = self._priors.get(group) or view.prior(drafter)
             bounds = self._bounds.get(group) or tuple(view.spec.speculation.batch_buckets)
-            self._cache[group] = pol.CalibratedCost(prior, self._pooled.get(group, {}), bounds, excess)
+            self._cache[group] = pol.CalibratedCost(
+                prior, self._pooled.get(group, {}), bounds, excess, self._remembered.get(group, ({}, {}))
+            )
         return self._cache[group]
 
 

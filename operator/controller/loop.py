@@ -21,6 +21,7 @@ from specserve_engine import metric_names as mn
 from specserve_engine.api import PolicyRequest
 from specserve_engine.client import SidecarClient, SidecarError
 from specserve_operator.controller import core
+from specserve_operator.controller import policy as pol
 from specserve_operator.controller.observations import FleetSnapshot
 from specserve_operator.controller.reader import MetricsUnavailable, PrometheusReader
 
@@ -96,6 +97,7 @@ class FleetController:
         self._reads: dict[str, _Read] = {}
         self._backoff: dict[str, Backoff] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.ratios = pol.RatioMemory()  # measured step-time ratios, remembered across ticks
 
     def url_for(self, view: core.ResourceView) -> str:
         return view.spec.monitoring.prometheus_url or self.default_url
@@ -135,7 +137,7 @@ class FleetController:
                 if v.key in self.states
                 for pod in self.states[v.key].switched_pods(now, self.window_s)
             }
-            read.costs = core.FleetCosts(views, read.snapshot, mixed)
+            read.costs = core.FleetCosts(views, read.snapshot, mixed, self.ratios, now)
             read.costs_views = len(self.views)
         return read.costs
 

@@ -12,8 +12,8 @@ T(b, K) is the roofline prior (costmodel.py) scaled by what the fleet measured i
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from specserve_engine.buckets import INF, bucket_labels
 from specserve_operator.controller.costmodel import StepCostPrior
@@ -26,6 +26,7 @@ MIN_DRAFTS = 50.0
 # streams are over-dispersed, so the i.i.d. extrapolation over-predicts (speculation-research §1.4).
 EXTRAPOLATION_DECAY = 0.97
 PRIOR_ALPHA = 0.6
+RATIO_TTL_S = 3600.0  # = core.DEMOTION_TTL_S: exploration re-measures sooner; after an hour traffic differs
 
 
 def expected_tokens(alphas: Sequence[float], k: int) -> float:
@@ -107,11 +108,41 @@ def bucket_bounds_of(bounds: Sequence[int]) -> dict[str, tuple[int, int]]:
     return out
 
 
+@dataclass
+class RatioMemory:
+    """The last measured step-time ratios (measured / prior) per cost group and bucket, kept between
+    ticks: a bucket switched off stops producing speculative steps, and without its own ratio it would
+    borrow the other buckets' (measured where speculation is cheap) and be switched on again."""
+
+    ttl_s: float = RATIO_TTL_S
+    # group → bucket → (ratio, time measured)
+    plain: dict[Hashable, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    spec: dict[Hashable, dict[str, tuple[float, float]]] = field(default_factory=dict)
+
+    def record(
+        self, group: Hashable, plain: Mapping[str, float], spec: Mapping[str, float], now: float
+    ) -> None:
+        """Remember every ratio measured in this window (a fresh measurement replaces the old one)."""
+        for store, ratios in ((self.plain, plain), (self.spec, spec)):
+            entries = store.setdefault(group, {})
+            entries.update({label: (r, now) for label, r in ratios.items()})
+            for label in [lb for lb, (_, at) in entries.items() if now - at >= self.ttl_s]:
+                del entries[label]
+
+    def recall(self, group: Hashable, now: float) -> tuple[dict[str, float], dict[str, float]]:
+        """The group's unexpired ratios, (plain, speculative), per bucket."""
+        return tuple(  # type: ignore[return-value]
+            {label: r for label, (r, at) in store.get(group, {}).items() if now - at < self.ttl_s}
+            for store in (self.plain, self.spec)
+        )
+
+
 class CalibratedCost:
     """Step time per bucket and K: the roofline prior scaled by the ratio measured in that bucket.
 
     Plain steps calibrate T(b, 0); speculative steps, at the mean K and batch they ran with, calibrate
-    T(b, K>0). A bucket without its own measurement borrows the median ratio of those with one."""
+    T(b, K>0). A bucket without its own measurement in the window uses the ratio remembered from an
+    earlier one (`remembered`: plain, speculative), else borrows the median ratio of those with one."""
 
     def __init__(
         self,
@@ -119,6 +150,7 @@ class CalibratedCost:
         stats: Mapping[str, BucketStats],
         bounds: Sequence[int],
         spec_excess: float | None = None,
+        remembered: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {}),
     ) -> None:
         self.prior = prior
         self._memo: dict[tuple[str, int, float | None], float] = {}
@@ -126,6 +158,7 @@ class CalibratedCost:
         self.batch: dict[str, float] = {}
         self.plain_ratio: dict[str, float] = {}
         self.spec_ratio: dict[str, float] = {}
+        self.remembered_plain, self.remembered_spec = remembered
         for label, (lo, hi) in self.ranges.items():
             s = stats.get(label)
             batch = (lo + hi) / 2
@@ -159,9 +192,10 @@ class CalibratedCost:
         return label in self.spec_ratio
 
     def ratio(self, label: str, k: int) -> float:
+        # In-window measurement, else the remembered one, else the median of the measured buckets.
         if k == 0:
-            return self.plain_ratio.get(label, self._plain_default)
-        return self.spec_ratio.get(label, self._spec_default)
+            return self.plain_ratio.get(label, self.remembered_plain.get(label, self._plain_default))
+        return self.spec_ratio.get(label, self.remembered_spec.get(label, self._spec_default))
 
     def step_s(self, label: str, k: int, batch: float | None = None) -> float:
         # Memoised: one group's cost serves every resource of that group in a tick.

@@ -26,6 +26,7 @@ from specserve_engine.buckets import DEFAULT_BUCKETS, bucket_labels
 from specserve_operator.api.models import DrafterSpec, SpeculativeServingSpec
 from specserve_operator.controller import core
 from specserve_operator.controller import observations as ob
+from specserve_operator.controller import policy as pol
 from specserve_operator.controller.costmodel import DrafterCost, drafter_cost, gpu_spec, model_shape
 from specserve_operator.simulator.traces import Trace
 
@@ -262,6 +263,7 @@ class FleetSim:
         self.pod_names = tuple(f"sim-{i}" for i in range(cfg.pods))
         self.view = core.ResourceView("sim", "fleet", self.spec, self.pod_names)
         self.state = core.ResourceState.initial(self.spec)
+        self.ratios = pol.RatioMemory()  # as FleetController: step-time ratios remembered across ticks
         self.names = [d.spec.name for d in cfg.drafters]
         self.controller_s = 0.0
         self.decisions: list[tuple[float, core.Decision]] = []
@@ -330,7 +332,7 @@ class FleetSim:
         t0 = time.perf_counter()
         snapshot = ob.build_snapshot(self._rows(current, old), window)
         mixed = {("sim", pod) for pod in self.state.switched_pods(now, self.cfg.window_s)}
-        costs = core.FleetCosts([self.view], snapshot, mixed)
+        costs = core.FleetCosts([self.view], snapshot, mixed, self.ratios, now)
         if len(self.history) == 1:
             # The first tick has no window yet: every pod is missing, and the controller holds.
             snapshot = ob.FleetSnapshot(window_s=window)

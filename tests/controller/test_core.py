@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specserve_operator.controller import core
 from specserve_operator.controller import observations as ob
+from specserve_operator.controller import policy as pol
 from specserve_operator.controller.policy import MIN_STEPS
 
 NS = "ml"
@@ -172,3 +175,56 @@ def test_restart_resumes_the_policy_from_status(spec_factory) -> None:
     assert state.k_by_bucket["1"] == 3 and state.k_by_bucket["64"] == 0
     # A sidecar-hosted initial drafter: the engine runs the sidecar proposer, switches are live.
     assert state.engine_drafter is None
+
+
+def test_off_bucket_stays_off_after_its_spec_steps_leave_the_window(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Bucket 64 measured 3× slower with speculation is switched off; once its speculative steps leave
+    the metrics window, the remembered ratio keeps it off past the cooldown (without the memory it
+    would borrow the cheap low-batch ratio and be switched on again: flapping with period ≈ cooldown)."""
+    spec = spec_factory()
+    view = view_of(spec)
+    prior = view.prior(spec.drafters[0])
+    slow = healthy_loads(bucket_load, prior, slow_high=3.0)
+    later = dict(slow)
+    later["64"] = bucket_load(batch=48.0, steps_plain=1000, step_s_plain=prior.step_s(48.0, 0))
+    first_rows = rows_for(NS, "pod-a", "draft", slow) + rows_for(NS, "pod-b", "draft", slow)
+    later_rows = rows_for(NS, "pod-a", "draft", later) + rows_for(NS, "pod-b", "draft", later)
+    cooldown = spec.speculation.cooldown_seconds
+
+    def run(memory: pol.RatioMemory | None) -> list[int]:
+        state = core.ResourceState.initial(spec)
+        ks = []
+        for i, (now, rows) in enumerate(
+            [(0.0, first_rows)] + [(cooldown * t + 1, later_rows) for t in (1, 2, 3)]
+        ):
+            snap = ob.build_snapshot(rows, 300.0)
+            d = core.decide(view, snap, state, core.FleetCosts([view], snap, (), memory, now), now)
+            assert i > 0 or d.k_by_bucket["64"] == 0
+            ks.append(d.k_by_bucket["64"])
+        return ks
+
+    assert run(pol.RatioMemory()) == [0, 0, 0, 0]
+    assert any(run(None)[1:])  # the weakness the memory fixes
+
+
+def test_fleet_costs_remember_measured_ratios_until_they_expire(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    drafter = spec.drafters[0]
+    prior = view.prior(drafter)
+    slow = healthy_loads(bucket_load, prior, slow_high=3.0)
+    snap = ob.build_snapshot(
+        rows_for(NS, "pod-a", "draft", slow) + rows_for(NS, "pod-b", "draft", slow), 300.0
+    )
+    memory = pol.RatioMemory()
+    measured = core.FleetCosts([view], snap, (), memory, now=0.0).cost(view, drafter).ratio("64", 3)
+    assert measured == pytest.approx(3.0, rel=0.05)
+    empty = ob.FleetSnapshot(window_s=300.0)
+    # Remembered while fresh (not counted as measured in the window: exploration still re-measures it).
+    recalled = core.FleetCosts([view], empty, (), memory, now=pol.RATIO_TTL_S - 1).cost(view, drafter)
+    assert recalled.ratio("64", 3) == pytest.approx(measured) and not recalled.measured_spec("64")
+    # Expired: back to the median/prior.
+    expired = core.FleetCosts([view], empty, (), memory, now=pol.RATIO_TTL_S + 1).cost(view, drafter)
+    assert expired.ratio("64", 3) == pytest.approx(1.0)

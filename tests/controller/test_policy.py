@@ -265,3 +265,32 @@ def test_drafter_score_weights_buckets_by_traffic() -> None:
     assert math.isclose(
         pol.drafter_score(acc, cost, BOUNDS, 4, {}), pol.drafter_score(acc, cost, BOUNDS, 4, {})
     )
+
+
+def test_remembered_ratio_fills_an_unmeasured_bucket_and_a_fresh_measurement_wins() -> None:
+    p = prior()
+
+    def stats(batch: float, spec_factor: float) -> BucketStats:
+        return BucketStats(
+            steps_plain=1000,
+            seconds_plain=1000 * p.step_s(batch, 0),
+            tokens_plain=1000 * batch,
+            steps_spec=1000,
+            seconds_spec=1000 * p.step_s(batch, 3) * spec_factor,
+            drafts=1000 * batch,
+            draft_tokens=3000 * batch,
+        )
+
+    memory = pol.RatioMemory(ttl_s=600.0)
+    memory.record("g", {"64": 1.1}, {"64": 2.5}, now=0.0)
+    cost = pol.CalibratedCost(p, {"8": stats(6.0, 1.0)}, BOUNDS, remembered=memory.recall("g", 100.0))
+    assert cost.ratio("64", 3) == pytest.approx(2.5) and cost.ratio("64", 0) == pytest.approx(1.1)
+    assert cost.ratio("32", 3) == pytest.approx(1.0)  # neither measured nor remembered: the median
+    # A fresh measurement in the window wins over the remembered ratio, and replaces it.
+    fresh = pol.CalibratedCost(p, {"64": stats(48.0, 1.4)}, BOUNDS, remembered=memory.recall("g", 200.0))
+    assert fresh.ratio("64", 3) == pytest.approx(1.4, rel=0.02)
+    memory.record("g", fresh.plain_ratio, fresh.spec_ratio, now=200.0)
+    assert memory.recall("g", 700.0)[1]["64"] == pytest.approx(1.4, rel=0.02)  # 500 s old: kept
+    assert memory.recall("g", 800.0) == ({}, {})  # expired
+    memory.record("g", {}, {}, now=800.0)
+    assert memory.plain["g"] == {} and memory.spec["g"] == {}  # expired entries are dropped
