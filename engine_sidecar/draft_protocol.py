@@ -22,6 +22,8 @@ room left before max_model_len). `call_id` lets the client drop a late answer to
 
 from __future__ import annotations
 
+import hashlib
+import os
 import socket
 import struct
 from dataclasses import dataclass
@@ -30,12 +32,25 @@ from enum import IntEnum
 import numpy as np
 
 SOCKET_NAME = "drafts.sock"
+# A Unix socket's path holds at most 107 bytes on Linux (sun_path is 108 with its NUL).
+MAX_SOCKET_PATH_BYTES = 107
 DEADLINE_ENV = "SPECSERVE_DRAFT_DEADLINE_MS"
 DEFAULT_DEADLINE_MS = 50.0
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 REQUEST_MAGIC = 0x53505251  # "SPRQ"
 RESPONSE_MAGIC = 0x53505253  # "SPRS"
+
+
+def socket_address(path: str | os.PathLike[str]) -> str | bytes:
+    """The address both ends use for the draft socket at `path`: the path itself, or, where it is too
+    long for a Unix socket (deep temporary folders), an abstract socket named after it. Both work because
+    the engine and the sidecar share a network namespace (the pod's, or the machine's locally)."""
+    raw = os.fsencode(path)
+    if len(raw) <= MAX_SOCKET_PATH_BYTES:
+        return os.fsdecode(raw)
+    return b"\0specserve-drafts-" + hashlib.sha256(raw).hexdigest()[:32].encode()
+
 
 _FRAME = struct.Struct("<I")
 _REQ_HEAD = struct.Struct("<IIII")

@@ -72,6 +72,7 @@ from specserve_engine.draft_protocol import (
     decode_request,
     encode_response,
     recv_frame,
+    socket_address,
 )
 from specserve_engine.drafters import Drafter, DrafterError, Seq, build_drafter
 from specserve_engine.policy_file import PodPolicy, write_policy
@@ -467,11 +468,15 @@ class DraftSocketServer:
 
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        address = socket_address(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.path))
-        os.chmod(self.path, 0o666)  # the engine container may run as another user
+        if isinstance(address, str):
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            listener.bind(address)
+            os.chmod(self.path, 0o666)  # the engine container may run as another user
+        else:
+            listener.bind(address)
         listener.listen(16)
         self._listener = listener
         threading.Thread(target=self._accept, name="draft-accept", daemon=True).start()

@@ -40,6 +40,7 @@ from specserve_engine.draft_protocol import (
     RowUpdate,
     decode_response,
     encode_request,
+    socket_address,
 )
 from specserve_engine.policy_file import RUNTIME_DIR_ENV
 
@@ -198,7 +199,7 @@ class DraftClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.deadline_s)
         try:
-            sock.connect(self.socket_path)
+            sock.connect(socket_address(self.socket_path))
         except OSError:
             sock.close()
             return False

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from specserve_engine.api import PolicyRequest
-from specserve_engine.draft_protocol import RowOp, RowUpdate
+from specserve_engine.draft_protocol import (
+    MAX_SOCKET_PATH_BYTES,
+    SOCKET_NAME,
+    RowOp,
+    RowUpdate,
+    socket_address,
+)
 from specserve_engine.server import DraftSocketServer, SequenceTable, SidecarService
 from specserve_engine.vllm_plugins import proposer
 from specserve_engine.vllm_plugins.proposer import DraftClient
@@ -221,3 +227,21 @@ async def test_a_late_answer_keeps_the_connection(
     assert batch.propose(client, 1) == [[7, 8, 9, 10]]
     assert (client.missed, client.answered) == (1, 1)
     client.close()
+
+
+def test_a_runtime_dir_too_deep_for_a_unix_socket_path_still_works(
+    service: SidecarService, tmp_path: Path
+) -> None:
+    deep = tmp_path.joinpath(*["a-rather-long-folder-name"] * 5) / SOCKET_NAME
+    assert len(str(deep)) > MAX_SOCKET_PATH_BYTES  # bind() on the path itself would fail
+    server = DraftSocketServer(service, deep)
+    server.start()
+    try:
+        batch = Batch()
+        batch.set(0, [1, *REPEAT, 2, *REPEAT[:3]])
+        client = client_for(deep)
+        assert batch.propose(client, 1) == [[6, 7, 8, 9]]
+        client.close()
+    finally:
+        server.stop()
+    assert socket_address(tmp_path / SOCKET_NAME) == str(tmp_path / SOCKET_NAME)  # short: the file
