@@ -105,6 +105,7 @@ class EngineSpec:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the OS picks it); shared by the engine, sidecar and local fleet."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,18 +18,13 @@ from pathlib import Path
 
 import yaml
 
+from specserve_engine.launch import free_port
+
 INSTALL_HINT = "install it with scripts/setup.sh (or: apt-get install prometheus)"
 
 
 class PrometheusError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def require_binary(name: str) -> str:

@@ -6,9 +6,9 @@ import os
 import time
 from pathlib import Path
 
+from specserve_engine.launch import free_port
 from specserve_operator.local.processes import (
     GroupProcess,
-    free_port,
     group_alive,
     group_rss_bytes,
     port_in_use,

@@ -10,8 +10,8 @@ import prometheus_client
 import pytest
 
 from specserve_engine import metric_names
+from specserve_engine.launch import free_port
 from specserve_operator import cli, runner
-from specserve_operator.local.prometheus import free_port
 
 
 @pytest.fixture()
