@@ -45,6 +45,12 @@ RUN python3 -m pip install --no-deps /wheels/specserve-*.whl \
     && rm -rf /wheels \
     && python3 -c "import specserve_engine.server, specserve_engine.vllm_plugins.stat_logger, specserve_engine.vllm_plugins.live_policy, specserve_engine.vllm_plugins.proposer" \
     && (getent passwd 1000 >/dev/null || useradd --uid 1000 --gid 0 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin specserve)
+# vLLM's own suffix decoding (colocated `suffix` drafters) imports arctic-inference's suffix tree, which
+# ships as a source distribution: build it against the image's torch (only the C++ suffix tree without
+# ARCTIC_INFERENCE_PRECOMPILED_OPS; its vLLM plugin stays off unless ARCTIC_INFERENCE_ENABLED is set).
+RUN python3 -m pip install nanobind==2.9.2 cmake ninja \
+    && python3 -m pip install --no-build-isolation --no-deps arctic-inference==0.3.0 \
+    && python3 -c "import arctic_inference.suffix_decoding"
 # vLLM's entrypoint stays; the operator sets each container's command: `vllm serve …` for the engine,
 # `specserve-sidecar --config …` for the sidecar, both as uid 1000.
 USER 1000

