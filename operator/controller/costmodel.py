@@ -99,7 +99,8 @@ DraftKind = Literal["model", "parallel", "cpu"]
 @dataclass(frozen=True)
 class DrafterCost:
     """How drafting K tokens costs time: `model` runs a small model K times in sequence, `parallel`
-    drafts all K in one pass (Medusa, MTP heads, P-EAGLE), `cpu` is a lookup (n-gram, suffix)."""
+    drafts all K in one pass (Medusa heads, P-EAGLE), `cpu` is a lookup (n-gram, suffix). MTP counts as
+    `model`: vLLM runs the MTP layer once per drafted token."""
 
     kind: DraftKind
     shape: ModelShape | None = None
@@ -124,7 +125,7 @@ DRAFTER_COSTS: dict[str, DrafterCost] = {
     "eagle": DrafterCost("model", EAGLE_HEAD_8B),
     "eagle3": DrafterCost("model", EAGLE_HEAD_8B),
     "medusa": DrafterCost("parallel", EAGLE_HEAD_8B),
-    "mtp": DrafterCost("parallel", EAGLE_HEAD_8B),
+    "mtp": DrafterCost("model", EAGLE_HEAD_8B),
     "draftModel": DrafterCost("model", MODELS["1b"]),
     "selfSpeculative": DrafterCost("model", MODELS["1b"]),
     "ngram": DrafterCost("cpu"),

@@ -64,7 +64,7 @@ def test_drafter_costs_by_kind() -> None:
     g = cm.gpu_spec("H100")
     model_drafter, parallel, lookup = (
         cm.drafter_cost("draftModel"),
-        cm.drafter_cost("mtp"),
+        cm.drafter_cost("medusa"),
         cm.drafter_cost("ngram"),
     )
     assert model_drafter.draft_s(g, 4, 4, 1000) == pytest.approx(4 * model_drafter.draft_s(g, 4, 1, 1000))
