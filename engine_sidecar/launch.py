@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from specserve_engine.api import SidecarDrafter
 from specserve_engine.buckets import DEFAULT_BUCKETS
 from specserve_engine.engine_args import build_engine_args
 from specserve_engine.policy_file import RUNTIME_DIR_ENV
+from specserve_engine.processes import GroupProcess
 
 LOG_TAIL_LINES = 40
 API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -115,8 +115,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EngineProcess:
     spec: EngineSpec
     port: int
-    log_path: Path
-    process: subprocess.Popen[bytes]
+    group: GroupProcess  # the API server leads it; the engine core and its workers join it
+
+    @property
+    def log_path(self) -> Path:
+        return self.group.log_path
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """The API server's process (the group's leader)."""
+        assert self.group.popen is not None, "start_engine starts the group before handing it out"
+        return self.group.popen
 
     @property
     def url(self) -> str:
@@ -155,20 +164,9 @@ class EngineProcess:
         )
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the engine's process group (API server, engine core, workers), then SIGKILL it."""
-        if self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-        # Workers may outlive the API server for a moment; nothing of the group may stay behind.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        """SIGTERM the engine's process group (API server, engine core, workers), SIGKILL it after
+        `timeout_s`; nothing of the group is left when this returns."""
+        self.group.stop(grace_s=timeout_s)
 
 
 def start_engine(spec: EngineSpec, log_path: str | os.PathLike[str]) -> EngineProcess:
@@ -177,16 +175,11 @@ def start_engine(spec: EngineSpec, log_path: str | os.PathLike[str]) -> EnginePr
     Path(spec.runtime_dir).mkdir(parents=True, exist_ok=True)
     log = Path(log_path)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            spec.argv(port),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=spec.environment(),
-            start_new_session=True,
-        )
-    return EngineProcess(spec=spec, port=port, log_path=log, process=process)
+    # A fresh log per start (the group appends): log_tail() must not show an earlier start's lines.
+    log.write_bytes(b"")
+    group = GroupProcess(spec.served_model_name, spec.argv(port), log, env=spec.environment())
+    group.start()
+    return EngineProcess(spec=spec, port=port, group=group)
 
 
 @contextlib.contextmanager

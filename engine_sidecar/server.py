@@ -76,6 +76,7 @@ from specserve_engine.draft_protocol import (
 )
 from specserve_engine.drafters import Drafter, DrafterError, Seq, build_drafter
 from specserve_engine.policy_file import PodPolicy, write_policy
+from specserve_engine.processes import GroupProcess
 
 log = logging.getLogger("specserve.sidecar")
 
@@ -633,8 +634,16 @@ async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> Non
 @dataclass
 class SidecarProcess:
     config: SidecarConfig
-    process: subprocess.Popen[bytes]
-    log_path: Path
+    group: GroupProcess  # the sidecar leads its own process group and dies with its parent
+
+    @property
+    def log_path(self) -> Path:
+        return self.group.log_path
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        assert self.group.popen is not None, "start_sidecar starts the group before handing it out"
+        return self.group.popen
 
     @property
     def url(self) -> str:
@@ -660,18 +669,11 @@ class SidecarProcess:
 
     def kill(self) -> None:
         """SIGKILL: the sidecar dies without closing anything (the socket file stays behind)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
+        self.group.kill()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        """SIGTERM, SIGKILL after `timeout_s`; nothing of the sidecar's group is left when this returns."""
+        self.group.stop(grace_s=timeout_s)
 
 
 def start_sidecar(config: SidecarConfig, workdir: str | os.PathLike[str]) -> SidecarProcess:
@@ -680,15 +682,13 @@ def start_sidecar(config: SidecarConfig, workdir: str | os.PathLike[str]) -> Sid
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "sidecar.json"
     config_path.write_text(config.model_dump_json(by_alias=True))
-    log_path = workdir / "sidecar.log"
-    with open(log_path, "ab") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "specserve_engine.server", "--config", str(config_path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return SidecarProcess(config, process, log_path)
+    group = GroupProcess(
+        "sidecar",
+        [sys.executable, "-m", "specserve_engine.server", "--config", str(config_path)],
+        workdir / "sidecar.log",
+    )
+    group.start()
+    return SidecarProcess(config, group)
 
 
 def main(argv: list[str] | None = None) -> None:

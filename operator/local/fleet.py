@@ -28,6 +28,7 @@ import aiohttp
 from specserve_engine.api import PolicyRequest
 from specserve_engine.client import SidecarClient, SidecarError
 from specserve_engine.launch import EngineProcess, free_port, start_engine
+from specserve_engine.processes import GroupProcess, group_rss_bytes
 from specserve_operator.controller.core import ResourceView
 from specserve_operator.controller.loop import FleetController
 from specserve_operator.local import preflight
@@ -35,7 +36,6 @@ from specserve_operator.local.errors import LocalFleetError
 from specserve_operator.local.loadgen import LoadGenerator
 from specserve_operator.local.observe import FleetObserver, scrape_jobs
 from specserve_operator.local.plan import FleetPlan, load_manifest, plan_fleet
-from specserve_operator.local.processes import GroupProcess, group_rss_bytes
 from specserve_operator.local.prometheus import PrometheusError, PrometheusProcess
 from specserve_operator.local.prompts import load_prompts
 from specserve_operator.local.report import (

@@ -6,7 +6,6 @@ Debian's `prometheus` package provides the binary (scripts/setup.sh installs it)
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from specserve_engine.launch import free_port
+from specserve_engine.processes import GroupProcess
 
 INSTALL_HINT = "install it with scripts/setup.sh (or: apt-get install prometheus)"
 
@@ -54,7 +54,7 @@ class PrometheusProcess:
     port: int | None = None
     evaluation_interval_s: float = 1.0
     log_path: Path | None = None
-    _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _group: GroupProcess | None = field(default=None, init=False, repr=False)
     _workdir: Path | None = field(default=None, init=False, repr=False)
 
     @property
@@ -77,28 +77,28 @@ class PrometheusProcess:
         config_path = self._workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         log_path = self.log_path or self._workdir / "prometheus.log"
-        with open(log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={config_path}",
-                    f"--storage.tsdb.path={self.data_dir}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--web.enable-lifecycle",
-                    "--storage.tsdb.retention.time=30d",
-                    "--log.level=warn",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: a Ctrl-C in the terminal reaches us only
-            )
+        # Its own process group (a Ctrl-C in the terminal reaches us only), and it dies with us.
+        self._group = GroupProcess(
+            "prometheus",
+            [
+                binary,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={self.data_dir}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+                "--storage.tsdb.retention.time=30d",
+                "--log.level=warn",
+            ],
+            log_path,
+        )
+        self._group.start()
         self._wait_ready(timeout_s, log_path)
         return self
 
     def _wait_ready(self, timeout_s: float, log_path: Path) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            code = self._proc.poll() if self._proc is not None else None
+            code = self._group.returncode() if self._group is not None else None
             if code is not None:
                 tail = log_path.read_text(errors="replace")[-2000:]
                 self.stop()
@@ -121,14 +121,9 @@ class PrometheusProcess:
             pass
 
     def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        group, self._group = self._group, None
+        if group is not None:
+            group.stop(grace_s=10.0)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

@@ -1,0 +1,106 @@
+"""Process groups: stopping a child stops everything it spawned, nothing is left behind, and a child
+dies with its parent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from specserve_engine.launch import free_port
+from specserve_engine.processes import GroupProcess, group_alive, group_rss_bytes
+from specserve_operator.local.processes import port_in_use
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _stubborn(tmp_path: Path) -> GroupProcess:
+    """A shell that ignores SIGTERM and has a grandchild, started and reporting so."""
+    proc = GroupProcess("t", ["sh", "-c", "trap '' TERM; sleep 60 & echo started; wait"], tmp_path / "t.log")
+    proc.start()
+    assert _wait_for(lambda: "started" in proc.log_tail())
+    return proc
+
+
+def test_stop_takes_down_grandchildren(tmp_path: Path) -> None:
+    # SIGTERM is ignored, so the group is stopped with SIGKILL after the grace period.
+    proc = _stubborn(tmp_path)
+    assert proc.pid is not None
+    assert proc.running() and group_alive(proc.pid)
+    assert os.getpgid(proc.pid) == proc.pid  # it leads its own group: a terminal's Ctrl-C misses it
+    assert group_rss_bytes(proc.pid) > 0
+    t0 = time.monotonic()
+    proc.stop(grace_s=0.5)
+    assert time.monotonic() - t0 < 8
+    assert not proc.running()
+    assert not group_alive(proc.pid)
+
+
+def test_stop_is_quick_for_a_well_behaved_child(tmp_path: Path) -> None:
+    proc = GroupProcess("t", ["sleep", "60"], tmp_path / "t.log")
+    proc.start()
+    t0 = time.monotonic()
+    proc.stop()
+    assert time.monotonic() - t0 < 2
+    assert proc.returncode() is not None
+
+
+def test_kill_takes_down_the_group_at_once(tmp_path: Path) -> None:
+    proc = _stubborn(tmp_path)
+    assert proc.pid is not None
+    t0 = time.monotonic()
+    proc.kill()
+    assert time.monotonic() - t0 < 2  # no grace period
+    assert proc.returncode() == -signal.SIGKILL
+    assert not group_alive(proc.pid)
+
+
+def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
+    # The parent starts a child and is then SIGKILLed, so it cannot stop the child itself.
+    parent_code = (
+        "import sys; from pathlib import Path; from specserve_engine.processes import GroupProcess\n"
+        "p = GroupProcess('c', ['sleep', '60'], Path(sys.argv[1])); p.start(); print(p.pid, flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code, str(tmp_path / "c.log")], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    assert group_alive(child)
+    parent.kill()
+    parent.wait()
+    assert _wait_for(lambda: not group_alive(child))
+
+
+def test_a_child_started_from_a_short_lived_thread_outlives_the_thread(tmp_path: Path) -> None:
+    # asyncio.to_thread's worker threads end when the event loop closes; the child must stay (the
+    # kernel's parent-death signal follows the thread that forked, so children are forked elsewhere).
+    proc = GroupProcess("t", ["sleep", "60"], tmp_path / "t.log")
+
+    async def start() -> None:
+        await asyncio.to_thread(proc.start)
+
+    asyncio.run(start())
+    try:
+        time.sleep(0.5)
+        assert proc.running()
+    finally:
+        proc.stop()
+
+
+def test_free_port_is_free() -> None:
+    port = free_port()
+    assert not port_in_use(port)
