@@ -1,7 +1,7 @@
 """Real vLLM engines on the tiny trained models, shared by every suite (a pytest plugin).
 
 vLLM takes about a minute to start on the CPU, so one session starts the colocated engines once, side
-by side, and every test reuses them: `plain_engine` (no speculation), `ngram_engine` and
+by side, and every test reuses them: `plain_engine` (no speculation), `ngram_engine`, `suffix_engine` and
 `draft_model_engine` (vLLM's own drafters, colocated). Each has its own runtime dir (policy file) and a
 per-step trace (SPECSERVE_STEP_TRACE). Tests that change an engine's policy must put back the full-K
 policy when done (`RunningEngine.reset_policy`).
@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,8 @@ DTYPE = "float32"
 ENGINE_START_TIMEOUT_S = float(os.environ.get("SPECSERVE_ENGINE_START_TIMEOUT_S", "900"))
 
 NGRAM = SidecarDrafter(name="ngram", method="ngram", maxSpeculativeTokens=MAX_K, placement="colocated")
+# vLLM's own suffix decoding (needs arctic-inference, which scripts/setup.sh builds).
+SUFFIX = SidecarDrafter(name="suffix", method="suffix", maxSpeculativeTokens=MAX_K, placement="colocated")
 DRAFT_MODEL = SidecarDrafter(
     name="tiny-draft",
     method="draftModel",
@@ -144,9 +147,11 @@ async def scrape(engine: RunningEngine) -> dict[tuple[str, tuple[tuple[str, str]
     return samples
 
 
-def _spec(name: str, drafter: SidecarDrafter | None, runtime_dir: Path) -> EngineSpec:
+def engine_spec(
+    name: str, drafter: SidecarDrafter | None, runtime_dir: Path, model: Path = TARGET
+) -> EngineSpec:
     return EngineSpec(
-        model=str(TARGET),
+        model=str(model),
         served_model_name=name,
         runtime_dir=str(runtime_dir),
         drafter=drafter,
@@ -156,28 +161,33 @@ def _spec(name: str, drafter: SidecarDrafter | None, runtime_dir: Path) -> Engin
     )
 
 
-@pytest.fixture(scope="session")
-def colocated_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningEngine]]:
-    """The plain, ngram and draft-model engines, started together once per session."""
-    base = tmp_path_factory.mktemp("engines")
-    wanted = {"tiny-plain": None, "tiny-ngram": NGRAM, "tiny-draftmodel": DRAFT_MODEL}
-    specs = [_spec(name, drafter, base / name) for name, drafter in wanted.items()]
-    processes = start_engines(specs, base / "logs", timeout_s=ENGINE_START_TIMEOUT_S)
-    engines = {
-        spec.served_model_name: RunningEngine(
-            name=spec.served_model_name,
-            process=proc,
-            drafter=spec.drafter,
-            runtime_dir=Path(spec.runtime_dir),
-            trace_path=Path(spec.runtime_dir) / "steps.jsonl",
-        )
-        for spec, proc in zip(specs, processes, strict=True)
-    }
+@contextmanager
+def running_engines(specs: list[EngineSpec], log_dir: Path) -> Iterator[dict[str, RunningEngine]]:
+    """Start engines side by side, yield them by served name, stop them all on exit."""
+    processes = start_engines(specs, log_dir, timeout_s=ENGINE_START_TIMEOUT_S)
     try:
-        yield engines
+        yield {
+            spec.served_model_name: RunningEngine(
+                name=spec.served_model_name,
+                process=proc,
+                drafter=spec.drafter,
+                runtime_dir=Path(spec.runtime_dir),
+                trace_path=Path(spec.runtime_dir) / "steps.jsonl",
+            )
+            for spec, proc in zip(specs, processes, strict=True)
+        }
     finally:
         for proc in processes:
             proc.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningEngine]]:
+    """The plain, ngram, suffix and draft-model engines, started together once per session."""
+    base = tmp_path_factory.mktemp("engines")
+    wanted = {"tiny-plain": None, "tiny-ngram": NGRAM, "tiny-suffix": SUFFIX, "tiny-draftmodel": DRAFT_MODEL}
+    with running_engines([engine_spec(n, d, base / n) for n, d in wanted.items()], base / "logs") as engines:
+        yield engines
 
 
 @pytest.fixture(scope="session")
@@ -188,6 +198,11 @@ def plain_engine(colocated_engines: dict[str, RunningEngine]) -> RunningEngine:
 @pytest.fixture(scope="session")
 def ngram_engine(colocated_engines: dict[str, RunningEngine]) -> RunningEngine:
     return colocated_engines["tiny-ngram"]
+
+
+@pytest.fixture(scope="session")
+def suffix_engine(colocated_engines: dict[str, RunningEngine]) -> RunningEngine:
+    return colocated_engines["tiny-suffix"]
 
 
 @pytest.fixture(scope="session")

