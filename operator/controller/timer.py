@@ -131,7 +131,7 @@ def _report(body: kopf.Body, tick: ResourceTick, status: kopf.Status) -> None:
 
 async def _rollout(memo: kopf.Memo, body: kopf.Body, view: core.ResourceView, drafter: str) -> None:
     """A drafter the running engines cannot switch to live: the sidecar ConfigMap and the Deployment are
-    re-rendered (helper A's render path) with that drafter as the engine's, and applied; the Deployment's
+    re-rendered (the operator's render path) with that drafter as the engine's, and applied; the Deployment's
     surge rollout (maxSurge 1, maxUnavailable 0) brings new pods up, warmed before they are ready
     (the sidecar's readiness waits for warmupRequests), before old ones go."""
     spec = render.with_active_drafter(view.spec, drafter)
