@@ -3,9 +3,11 @@ under load, greedy identity and MAL per drafter and placement, and tokens per se
 
     .venv/bin/python benchmarks/engine_bench.py [--out benchmarks/results/engine.json]
 
-Starts four real vLLM engines (no speculation; sidecar-hosted drafting through the custom_class
-proposer; vLLM's own ngram and draft-model drafters, colocated) and one sidecar process, all on this
-machine's CPU, and writes the JSON results, a PNG plot next to them, and a table on stdout.
+Phase 1 starts five real vLLM engines (no speculation; sidecar-hosted drafting through the custom_class
+proposer; vLLM's own ngram, suffix and draft-model drafters, colocated) and one sidecar process.
+Phase 2 starts the speculator heads vLLM runs colocated (EAGLE-3, EAGLE, Medusa on the tiny target; MTP
+inside the target re-packaged as MiMo) beside a plain engine per target. All on this machine's CPU;
+writes the JSON results, a PNG plot next to them, and a table on stdout.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ SIDECAR_DRAFTERS: dict[str, tuple[str, str | None, int | None]] = {
     "self": ("selfSpeculative", None, 1),
 }
 COLOCATED = {
-    "ngram": SidecarDrafter(name="ngram", method="ngram", maxSpeculativeTokens=MAX_K, placement="colocated"),
+    **{
+        name: SidecarDrafter(name=name, method=name, maxSpeculativeTokens=MAX_K, placement="colocated")
+        for name in ("ngram", "suffix")
+    },
     "tiny-draft": SidecarDrafter(
         name="tiny-draft",
         method="draftModel",
@@ -57,6 +62,22 @@ COLOCATED = {
         maxSpeculativeTokens=MAX_K,
         placement="colocated",
     ),
+}
+MIMO_TARGET = MODELS / "tiny-mtp"  # the target's weights as MiMo, with one MTP layer (method mtp)
+HEADS = {
+    name: SidecarDrafter(
+        name=name,
+        method=method,
+        source=str(MODELS / name) if method != "mtp" else None,
+        maxSpeculativeTokens=MAX_K,
+        placement="colocated",
+    )
+    for name, method in (
+        ("tiny-eagle3", "eagle3"),
+        ("tiny-eagle", "eagle"),
+        ("tiny-medusa", "medusa"),
+        ("tiny-mtp", "mtp"),
+    )
 }
 SWITCH_PLAN = [
     ("tiny-draft", 4, "on"),
@@ -218,12 +239,15 @@ async def switches_under_load(pod: Pod, reference: list[str], texts: list[str], 
 
 
 async def throughput(engine: EngineProcess, batch: int, texts: list[str], tokens: int = 64) -> float:
-    """Generated tokens per second with `batch` requests in flight (closed loop, 2 rounds each)."""
+    """Generated tokens per second with `batch` requests in flight (closed loop). Each slot runs enough
+    rounds that a measurement generates at least 16 requests' worth of tokens: at batch 1 two requests
+    last well under a second, too short to compare drafters on a shared machine."""
+    rounds = max(2, -(-16 // batch))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
 
         async def one(i: int) -> int:
             total = 0
-            for r in range(2):
+            for r in range(rounds):
                 _, n = await complete(
                     session, engine.url, engine.spec.served_model_name, texts[(i + r) % len(texts)], tokens
                 )
@@ -241,19 +265,26 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    tps = results["tokens_per_s"]
-    buckets = list(tps)
-    series = list(next(iter(tps.values())))
-    width = 0.8 / len(series)
-    for j, name in enumerate(series):
-        ax1.bar(
-            [i + j * width for i in range(len(buckets))], [tps[b][name] for b in buckets], width, label=name
-        )
-    ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(buckets))], [f"batch {b}" for b in buckets])
-    ax1.set_ylabel("generated tokens / s")
-    ax1.set_title("Throughput by batch size (sidecar-hosted drafters)")
-    ax1.legend(fontsize=8)
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(18, 4.5))
+    for ax, key, title in (
+        (ax1, "tokens_per_s", "Throughput by batch size (sidecar-hosted drafters)"),
+        (ax3, "tokens_per_s_colocated_heads", "Throughput by batch size (colocated heads)"),
+    ):
+        tps = results[key]
+        buckets = list(tps)
+        series = list(next(iter(tps.values())))
+        width = 0.8 / len(series)
+        for j, name in enumerate(series):
+            ax.bar(
+                [i + j * width for i in range(len(buckets))],
+                [tps[b][name] for b in buckets],
+                width,
+                label=name,
+            )
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(buckets))], [f"batch {b}" for b in buckets])
+        ax.set_ylabel("generated tokens / s")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
     mal = results["mal"]
     names = list(mal)
     for j, domain in enumerate(DOMAINS):
@@ -291,16 +322,77 @@ def table(results: dict) -> str:
         mal = results["mal"].get(name, {})
         code, prose = (_fmt(mal.get(d)) for d in DOMAINS)
         lines.append(f"{key:28} {same!s:>9} {code:>9} {prose:>9}")
-    lines.append("")
-    tps = results["tokens_per_s"]
-    series = list(next(iter(tps.values())))
-    lines.append(f"{'tokens/s':10}" + "".join(f"{s:>12}" for s in series))
-    for b, row in tps.items():
-        lines.append(f"{'batch ' + b:10}" + "".join(f"{row[s]:>12.1f}" for s in series))
+    for key in ("tokens_per_s", "tokens_per_s_colocated_heads"):
+        tps = results[key]
+        series = list(next(iter(tps.values())))
+        lines.append("")
+        lines.append(f"{'tokens/s':10}" + "".join(f"{s:>13}" for s in series))
+        for b, row in tps.items():
+            lines.append(f"{'batch ' + b:10}" + "".join(f"{row[s]:>13.1f}" for s in series))
     return "\n".join(lines)
 
 
+def engine_spec(
+    workdir: Path,
+    name: str,
+    drafter: SidecarDrafter | None,
+    model: Path = TARGET,
+    env: dict[str, str] | None = None,
+    runtime_dir: Path | None = None,
+) -> EngineSpec:
+    return EngineSpec(
+        model=str(model),
+        served_model_name=name,
+        runtime_dir=str(runtime_dir or workdir / name),
+        drafter=drafter,
+        max_num_seqs=MAX_NUM_SEQS,
+        bucket_bounds=BUCKETS,
+        env=env or {},
+        dtype=DTYPE,
+    )
+
+
+async def run_heads(workdir: Path) -> dict:
+    """Phase 2: greedy identity, MAL and tokens/s of each colocated speculator head against a plain
+    engine on the same target."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    specs = [
+        engine_spec(workdir, "plain", None),
+        engine_spec(workdir, "plain-mimo", None, model=MIMO_TARGET),
+        *(
+            engine_spec(workdir, name, d, model=MIMO_TARGET if d.method == "mtp" else TARGET)
+            for name, d in HEADS.items()
+        ),
+    ]
+    t0 = time.perf_counter()
+    engines = start_engines(specs, workdir / "logs", timeout_s=1200)
+    print(f"head engines up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    plain, plain_mimo, *heads = engines
+    try:
+        references = {
+            engine.spec.served_model_name: {d: await complete_all(engine, prompts(d)) for d in DOMAINS}
+            for engine in (plain, plain_mimo)
+        }
+        results: dict = {"greedy_identical": {}, "mal": {}, "tokens_per_s": {}}
+        for (name, drafter), engine in zip(HEADS.items(), heads, strict=True):
+            reference = references["plain-mimo" if drafter.method == "mtp" else "plain"]
+            same, mal = await identity_and_mal(engine, reference)
+            results["greedy_identical"][f"{name}/colocated"] = same
+            results["mal"][f"{name} (colocated)"] = mal
+        mixed = [p for pair in zip(prompts("code"), prompts("prose"), strict=False) for p in pair]
+        for batch in THROUGHPUT_BATCHES:
+            row = {}
+            for engine in engines:
+                row[engine.spec.served_model_name] = round(await throughput(engine, batch, mixed), 1)
+            results["tokens_per_s"][str(batch)] = row
+        return results
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
 async def run(workdir: Path) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
     runtime = workdir / "sidecar-pod"
     drafters = [
         SidecarDrafter(
@@ -327,16 +419,7 @@ async def run(workdir: Path) -> dict:
         env: dict[str, str] | None = None,
         runtime_dir: Path | None = None,
     ) -> EngineSpec:
-        return EngineSpec(
-            model=str(TARGET),
-            served_model_name=name,
-            runtime_dir=str(runtime_dir or workdir / name),
-            drafter=drafter,
-            max_num_seqs=MAX_NUM_SEQS,
-            bucket_bounds=BUCKETS,
-            env=env or {},
-            dtype=DTYPE,
-        )
+        return engine_spec(workdir, name, drafter, env=env, runtime_dir=runtime_dir)
 
     sidecar_engine_drafter = SidecarDrafter(
         name="sidecar", method="ngram", maxSpeculativeTokens=MAX_K, placement="sidecar"
@@ -401,7 +484,8 @@ async def run(workdir: Path) -> dict:
                 "the max",
             ],
             "max_tokens": TOKENS,
-            "throughput_prompts": "code and prose alternating, 64 tokens each, 2 rounds per in-flight slot",
+            "throughput_prompts": "code and prose alternating, 64 tokens each, max(2, 16 / batch) rounds per "
+            "in-flight slot",
             "rtt": "8 rows x 200 tokens, +1 token per row per call, "
             "policy off (no draft compute), 3000 calls",
         }
@@ -418,7 +502,16 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
-        results = asyncio.run(run(Path(tmp)))
+        results = asyncio.run(run(Path(tmp) / "phase1"))
+        # One phase at a time: both sets of engines at once would not fit in a small machine's memory.
+        heads = asyncio.run(run_heads(Path(tmp) / "phase2"))
+    results["greedy_identical"].update(heads["greedy_identical"])
+    results["mal"].update(heads["mal"])
+    results["tokens_per_s_colocated_heads"] = heads["tokens_per_s"]
+    results["setup"]["notes"].append(
+        "tokens_per_s_colocated_heads (phase 2, its own engines) compares each colocated head with the "
+        "plain engine on the same target: plain for EAGLE-3, EAGLE and Medusa; plain-mimo for MTP"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     plot(results, out.with_suffix(".png"))

@@ -5,8 +5,9 @@ without speculation, MAL well above 1 on code and higher on code than on prose, 
 live (through vLLM's dynamic-SD table for EAGLE and MTP; by trimming Medusa's fixed-length drafts), and
 the stat-logger plugin's counters exact.
 
-Six engines (the heads, and a plain engine per target) run for this module only, then stop: with the
-session's three engines they would not fit in this machine's memory at once.
+Six engines (the heads, and a plain engine per target) run for this module only, then stop: together
+with the session's engines (specserve_testing.engines, started later by test_engines_real.py) they would
+not fit in this machine's 24 GiB at once.
 """
 
 from __future__ import annotations
