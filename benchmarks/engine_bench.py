@@ -26,30 +26,33 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from specserve_engine.api import PolicyRequest, SidecarConfig, SidecarDrafter
+from specserve_engine.api import SidecarDrafter
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.client import SidecarClient
 from specserve_engine.draft_protocol import DEADLINE_ENV, SOCKET_NAME
-from specserve_engine.launch import EngineProcess, EngineSpec, free_port, start_engines
+from specserve_engine.launch import EngineProcess, EngineSpec, start_engines
 from specserve_engine.policy_file import PodPolicy, write_policy
 from specserve_engine.server import SidecarProcess, start_sidecar
 from specserve_engine.vllm_plugins.proposer import DraftClient
 
 REPO = Path(__file__).resolve().parents[1]
+# The tiny sidecar pod is defined once, with the tests that check it (tests/specserve_testing).
+sys.path.insert(0, str(REPO / "tests"))
+from specserve_testing.sidecar_pod import (  # noqa: E402
+    BUCKETS,
+    ENGINE_DRAFTER,
+    MAX_K,
+    SIDECAR_DRAFTERS,
+    full_k_policy,
+    sidecar_config,
+)
+
 MODELS = REPO / "models"
 TARGET = MODELS / "tiny-target"
 DRAFT = MODELS / "tiny-draft"
 DOMAINS = ("code", "prose")
-MAX_K = 4
-BUCKETS = (1, 2, 4, 8, 16, 32)
 MAX_NUM_SEQS = 32
 TOKENS = 48
-SIDECAR_DRAFTERS: dict[str, tuple[str, str | None, int | None]] = {
-    "ngram": ("ngram", None, None),
-    "suffix": ("suffix", None, None),
-    "tiny-draft": ("draftModel", str(DRAFT), None),
-    "self": ("selfSpeculative", None, 1),
-}
 COLOCATED = {
     **{
         name: SidecarDrafter(name=name, method=name, maxSpeculativeTokens=MAX_K, placement="colocated")
@@ -99,12 +102,6 @@ def prompts(domain: str) -> list[str]:
     ]
 
 
-def policy(version: int, drafter: str, k: int = MAX_K, mode: str = "on") -> PolicyRequest:
-    return PolicyRequest(
-        policyVersion=version, drafter=drafter, mode=mode, kByBucket={b: k for b in bucket_labels(BUCKETS)}
-    )
-
-
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q))
 
@@ -123,7 +120,7 @@ class Pod:
         t0 = time.perf_counter()
         async with aiohttp.ClientSession() as session:
             client = SidecarClient(self.sidecar.url, None, session, timeout_s=30)
-            _, state = await client.put_policy(policy(self.version, drafter, k, mode))
+            _, state = await client.put_policy(full_k_policy(self.version, drafter, k, mode))
             while state.policy_version != self.version:
                 await asyncio.sleep(0.01)
                 state = await client.state()
@@ -394,24 +391,7 @@ async def run_heads(workdir: Path) -> dict:
 async def run(workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     runtime = workdir / "sidecar-pod"
-    drafters = [
-        SidecarDrafter(
-            name=n, method=m, source=s, layers=layers, maxSpeculativeTokens=MAX_K, placement="sidecar"
-        )
-        for n, (m, s, layers) in SIDECAR_DRAFTERS.items()
-    ]
-    config = SidecarConfig(
-        modelName="tiny-sidecar",
-        modelPath=str(TARGET),
-        drafters=drafters,
-        bucketBounds=list(BUCKETS),
-        runtimeDir=str(runtime),
-        host="127.0.0.1",
-        port=free_port(),
-        warmupRequests=8,
-        initialPolicy=policy(1, "ngram"),
-    )
-    sidecar = start_sidecar(config, workdir / "sidecar")
+    sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
 
     def spec(
         name: str,
@@ -421,13 +401,10 @@ async def run(workdir: Path) -> dict:
     ) -> EngineSpec:
         return engine_spec(workdir, name, drafter, env=env, runtime_dir=runtime_dir)
 
-    sidecar_engine_drafter = SidecarDrafter(
-        name="sidecar", method="ngram", maxSpeculativeTokens=MAX_K, placement="sidecar"
-    )
     specs = [
         spec("tiny-plain", None),
         # The engine and the sidecar share the runtime dir: the draft socket and policy.json live there.
-        spec("tiny-sidecar", sidecar_engine_drafter, {DEADLINE_ENV: "250"}, runtime),
+        spec("tiny-sidecar", ENGINE_DRAFTER, {DEADLINE_ENV: "250"}, runtime),
         *(spec(f"tiny-colocated-{n}", d) for n, d in COLOCATED.items()),
     ]
     t0 = time.perf_counter()

@@ -114,6 +114,14 @@ class UnrolledAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
+def layer_tensors(prefix: str, attn: UnrolledAttention, mlp: MLP) -> dict[str, torch.Tensor]:
+    """A decoder layer's attention and MLP tensors (biases included) under the checkpoint names vLLM's
+    loaders map onto their fused qkv and gate_up projections."""
+    return {f"{prefix}self_attn.{n}": t for n, t in attn.named_parameters()} | {
+        f"{prefix}mlp.{n}": t for n, t in mlp.named_parameters()
+    }
+
+
 class Eagle3Head(nn.Module):
     """vLLM's llama_eagle3 forward for one layer (norm_before_residual off, no norm before fc)."""
 
@@ -149,11 +157,7 @@ class Eagle3Head(nn.Module):
         }
         for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             out[f"midlayer.{name}.weight"] = getattr(self, name).weight
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"midlayer.self_attn.{name}.weight"] = getattr(self.self_attn, name).weight
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f"midlayer.mlp.{name}.weight"] = getattr(self.mlp, name).weight
-        return out
+        return out | layer_tensors("midlayer.", self.self_attn, self.mlp)
 
 
 class EagleHead(nn.Module):
@@ -183,11 +187,7 @@ class EagleHead(nn.Module):
             "fc.weight": self.fc.weight,
             "layers.0.post_attention_layernorm.weight": self.post_attention_layernorm.weight,
         }
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"layers.0.self_attn.{name}.weight"] = getattr(self.self_attn, name).weight
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f"layers.0.mlp.{name}.weight"] = getattr(self.mlp, name).weight
-        return out
+        return out | layer_tensors("layers.0.", self.self_attn, self.mlp)
 
 
 class MTPHead(nn.Module):
@@ -232,12 +232,7 @@ class MTPHead(nn.Module):
             "final_layernorm",
         ):
             out[f"{prefix}{name}.weight"] = getattr(self, name).weight
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            for kind, tensor in getattr(self.self_attn, name).named_parameters():
-                out[f"{prefix}self_attn.{name}.{kind}"] = tensor
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{prefix}mlp.{name}.weight"] = getattr(self.mlp, name).weight
-        return out
+        return out | layer_tensors(prefix, self.self_attn, self.mlp)
 
 
 def mimo_checkpoint(target: LlamaForCausalLM, mtp: MTPHead) -> dict[str, torch.Tensor]:

@@ -132,7 +132,9 @@ def openmetrics(rows: list[ob.Row], start_s: float, end_s: float, step_s: float 
     return "\n".join(out) + "\n"
 
 
-def make_spec(**overrides: object) -> SpeculativeServingSpec:
+def spec_body(**overrides: object) -> dict:
+    """The controller tests' resource spec as plain data; `section=value` replaces a section,
+    `section__field=value` one field of it."""
     body: dict = {
         "replicas": 2,
         "model": {"name": "llama-3.1-8b-instruct", "source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
@@ -155,7 +157,11 @@ def make_spec(**overrides: object) -> SpeculativeServingSpec:
             body[section][field] = value
         else:
             body[section] = value
-    return SpeculativeServingSpec.model_validate(body)
+    return body
+
+
+def make_spec(**overrides: object) -> SpeculativeServingSpec:
+    return SpeculativeServingSpec.model_validate(spec_body(**overrides))
 
 
 @pytest.fixture
@@ -166,6 +172,11 @@ def rows_for() -> Callable[..., list[ob.Row]]:
 @pytest.fixture
 def spec_factory() -> Callable[..., SpeculativeServingSpec]:
     return make_spec
+
+
+@pytest.fixture
+def spec_body_factory() -> Callable[..., dict]:
+    return spec_body
 
 
 @pytest.fixture

@@ -43,27 +43,18 @@ def _loopback_hosts() -> tuple[str, str]:
     pytest.skip("no free loopback address for the sidecar port")
 
 
-def _resource() -> dict[str, Any]:
+@pytest.fixture
+def resource(spec_body_factory) -> dict[str, Any]:
+    """The controller tests' resource with its first drafter only, evaluated every second."""
+    spec = spec_body_factory(
+        speculation={"evaluationInterval": "1s", "cooldown": "5m"}, monitoring={"serviceMonitor": False}
+    )
+    spec["drafters"] = spec["drafters"][:1]
     return {
         "apiVersion": "specserve.io/v1alpha1",
         "kind": "SpeculativeServing",
         "metadata": {"name": NAME, "namespace": NAMESPACE},
-        "spec": {
-            "replicas": 2,
-            "model": {"name": "llama-3.1-8b-instruct", "source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
-            "engine": {"image": "engine:test", "gpu": {"count": 1, "product": "NVIDIA-H100"}},
-            "drafters": [
-                {
-                    "name": "draft",
-                    "method": "draftModel",
-                    "source": "hf://meta-llama/Llama-3.2-1B-Instruct",
-                    "maxSpeculativeTokens": 4,
-                    "placement": "sidecar",
-                }
-            ],
-            "speculation": {"evaluationInterval": "1s", "cooldown": "5m"},
-            "monitoring": {"serviceMonitor": False},
-        },
+        "spec": spec,
     }
 
 
@@ -111,9 +102,9 @@ def history(rows_for, bucket_load, openmetrics_of, spec_factory) -> str:
     return openmetrics_of(rows, end - 600, end)
 
 
-async def _start_fleet(emulator: RVEmulator, sidecars) -> list:
+async def _start_fleet(emulator: RVEmulator, sidecars, resource: dict[str, Any]) -> list:
     await emulator.post(
-        f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings", json=_resource()
+        f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings", json=resource
     )
     token = await eventually(lambda: _token(emulator), timeout=30)
     stands = []
@@ -124,12 +115,12 @@ async def _start_fleet(emulator: RVEmulator, sidecars) -> list:
 
 
 async def test_operator_pushes_a_policy_learned_from_prometheus(
-    kube_emulator: RVEmulator, operator_runner, prometheus_factory, history, sidecars, monkeypatch
+    kube_emulator: RVEmulator, operator_runner, prometheus_factory, history, sidecars, resource, monkeypatch
 ) -> None:
     prom = prometheus_factory(openmetrics=history)
     monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", prom.url)
     async with operator_runner():
-        stands = await _start_fleet(kube_emulator, sidecars)
+        stands = await _start_fleet(kube_emulator, sidecars, resource)
         serving = await eventually(
             lambda: (
                 _serving(kube_emulator)
@@ -161,14 +152,14 @@ async def test_operator_pushes_a_policy_learned_from_prometheus(
 
 
 async def test_prometheus_down_marks_the_condition_and_pushes_nothing(
-    kube_emulator: RVEmulator, operator_runner, sidecars, monkeypatch
+    kube_emulator: RVEmulator, operator_runner, sidecars, resource, monkeypatch
 ) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", f"http://127.0.0.1:{closed}")
     async with operator_runner():
-        stands = await _start_fleet(kube_emulator, sidecars)
+        stands = await _start_fleet(kube_emulator, sidecars, resource)
         serving = await eventually(
             lambda: (
                 _serving(kube_emulator) if _condition(_serving(kube_emulator), "MetricsAvailable") else None

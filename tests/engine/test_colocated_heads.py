@@ -13,7 +13,7 @@ not fit in this machine's 24 GiB at once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
@@ -77,21 +77,21 @@ def heads(head_engines: dict[str, RunningEngine]) -> Iterator[list[RunningEngine
         e.reset_policy()
 
 
-def _on_tiny_target(heads: list[RunningEngine]) -> list[RunningEngine]:
-    return [e for e in heads if e.drafter.method != "mtp"]
-
-
-def _on_mimo(heads: list[RunningEngine]) -> list[RunningEngine]:
-    return [e for e in heads if e.drafter.method == "mtp"]
+async def _each_against_its_plain_engine(
+    check: Callable[[RunningEngine, list[RunningEngine]], Awaitable[None]],
+    head_engines: dict[str, RunningEngine],
+    heads: list[RunningEngine],
+) -> None:
+    """Run a check with the plain engine on the same target as the reference: MTP's is MiMo."""
+    mtp = [e for e in heads if e.drafter.method == "mtp"]
+    others = [e for e in heads if e.drafter.method != "mtp"]
+    await asyncio.gather(check(head_engines["heads-plain"], others), check(head_engines["mimo-plain"], mtp))
 
 
 async def test_greedy_output_is_identical_with_every_head(
     head_engines: dict[str, RunningEngine], heads: list[RunningEngine]
 ) -> None:
-    await asyncio.gather(
-        assert_greedy_identical(head_engines["heads-plain"], _on_tiny_target(heads)),
-        assert_greedy_identical(head_engines["mimo-plain"], _on_mimo(heads)),
-    )
+    await _each_against_its_plain_engine(assert_greedy_identical, head_engines, heads)
 
 
 async def test_heads_accept_well_on_code_and_better_than_on_prose(heads: list[RunningEngine]) -> None:
@@ -106,10 +106,7 @@ async def test_heads_accept_well_on_code_and_better_than_on_prose(heads: list[Ru
 async def test_k_and_on_off_change_live(
     head_engines: dict[str, RunningEngine], heads: list[RunningEngine]
 ) -> None:
-    await asyncio.gather(
-        assert_k_and_on_off_change_live(head_engines["heads-plain"], _on_tiny_target(heads)),
-        assert_k_and_on_off_change_live(head_engines["mimo-plain"], _on_mimo(heads)),
-    )
+    await _each_against_its_plain_engine(assert_k_and_on_off_change_live, head_engines, heads)
 
 
 async def test_stat_logger_counters_equal_the_per_step_record(heads: list[RunningEngine]) -> None:

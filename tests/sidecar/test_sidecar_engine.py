@@ -14,15 +14,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from specserve_engine.api import PolicyRequest, SidecarConfig, SidecarDrafter, SidecarState
-from specserve_engine.buckets import bucket_labels
+from specserve_engine.api import SidecarState
 from specserve_engine.client import SidecarClient
 from specserve_engine.draft_protocol import DEADLINE_ENV
-from specserve_engine.launch import EngineSpec, free_port, start_engines
+from specserve_engine.launch import EngineSpec, start_engines
 from specserve_engine.server import SidecarProcess, start_sidecar
 from specserve_testing.engines import (
     DOMAINS,
-    DRAFT,
     ENGINE_START_TIMEOUT_S,
     MAX_NUM_SEQS,
     TARGET,
@@ -32,50 +30,16 @@ from specserve_testing.engines import (
     prompts,
     scrape,
 )
+from specserve_testing.sidecar_pod import (
+    BUCKETS,
+    ENGINE_DRAFTER,
+    MAX_K,
+    SIDECAR_DRAFTERS,
+    full_k_policy,
+    sidecar_config,
+)
 
 pytestmark = pytest.mark.engine
-
-MAX_K = 4
-BUCKETS = (1, 2, 4, 8, 16, 32)
-TOKENS = 48
-# Sidecar drafters: name -> (method, source, layers).
-SIDECAR_DRAFTERS: dict[str, tuple[str, str | None, int | None]] = {
-    "ngram": ("ngram", None, None),
-    "suffix": ("suffix", None, None),
-    "tiny-draft": ("draftModel", str(DRAFT), None),
-    "self": ("selfSpeculative", None, 1),
-}
-
-
-def full_k(version: int, drafter: str, k: int = MAX_K, mode: str = "on") -> PolicyRequest:
-    return PolicyRequest(
-        policyVersion=version, drafter=drafter, mode=mode, kByBucket={b: k for b in bucket_labels(BUCKETS)}
-    )
-
-
-def sidecar_config(runtime_dir: Path) -> SidecarConfig:
-    drafters = [
-        SidecarDrafter(
-            name=name,
-            method=method,
-            source=source,
-            layers=layers,
-            maxSpeculativeTokens=MAX_K,
-            placement="sidecar",
-        )
-        for name, (method, source, layers) in SIDECAR_DRAFTERS.items()
-    ]
-    return SidecarConfig(
-        modelName="tiny-sidecar",
-        modelPath=str(TARGET),
-        drafters=drafters,
-        bucketBounds=list(BUCKETS),
-        runtimeDir=str(runtime_dir),
-        host="127.0.0.1",
-        port=free_port(),
-        warmupRequests=8,
-        initialPolicy=full_k(1, "ngram"),
-    )
 
 
 @dataclass
@@ -98,7 +62,7 @@ class SidecarPod:
         self.version += 1
         async with aiohttp.ClientSession() as session:
             client = SidecarClient(self.sidecar.url, None, session, timeout_s=10)
-            await client.put_policy(full_k(self.version, drafter, k, mode))
+            await client.put_policy(full_k_policy(self.version, drafter, k, mode))
             for _ in range(int(timeout_s / 0.1)):
                 state = await client.state()
                 if state.policy_version == self.version:
@@ -110,6 +74,7 @@ class SidecarPod:
 # float32: vLLM's CPU default downcasts the float32 checkpoint to bfloat16, where the verification of
 # K+1 tokens at once and one-token decode round differently enough to flip near-tied greedy choices.
 DTYPE = "float32"
+TOKENS = 48
 
 
 @pytest.fixture(scope="module")
@@ -119,16 +84,13 @@ def sidecar_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarPod
     workdir = tmp_path_factory.mktemp("sidecar-pod")
     runtime = workdir / "run"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
-    engine_drafter = SidecarDrafter(
-        name="sidecar", method="ngram", maxSpeculativeTokens=MAX_K, placement="sidecar"
-    )
     common = {"model": str(TARGET), "max_num_seqs": MAX_NUM_SEQS, "bucket_bounds": BUCKETS, "dtype": DTYPE}
     specs = [
         EngineSpec(served_model_name="tiny-plain32", runtime_dir=str(workdir / "plain"), **common),
         EngineSpec(
             served_model_name="tiny-sidecar",
             runtime_dir=str(runtime),
-            drafter=engine_drafter,
+            drafter=ENGINE_DRAFTER,
             env={DEADLINE_ENV: "250"},
             **common,
         ),
@@ -141,7 +103,7 @@ def sidecar_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarPod
         sidecar.stop()
         raise
     try:
-        engine = RunningEngine("tiny-sidecar", process, engine_drafter, runtime, runtime / "steps.jsonl")
+        engine = RunningEngine("tiny-sidecar", process, ENGINE_DRAFTER, runtime, runtime / "steps.jsonl")
         reference = RunningEngine(
             "tiny-plain32", plain, None, workdir / "plain", workdir / "plain" / "steps.jsonl"
         )
