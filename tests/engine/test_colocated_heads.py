@@ -29,6 +29,7 @@ from specserve_testing.engines import (
     MODELS,
     TARGET,
     RunningEngine,
+    at_full_k,
     engine_spec,
     running_engines,
 )
@@ -69,12 +70,7 @@ def head_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 
 @pytest.fixture
 def heads(head_engines: dict[str, RunningEngine]) -> Iterator[list[RunningEngine]]:
-    engines = [head_engines[name] for name in HEADS]
-    for e in engines:
-        e.reset_policy()
-    yield engines
-    for e in engines:
-        e.reset_policy()
+    yield from at_full_k([head_engines[name] for name in HEADS])
 
 
 async def _each_against_its_plain_engine(

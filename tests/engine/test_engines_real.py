@@ -19,7 +19,7 @@ from specserve_testing.engine_checks import (
     drafter_policy,
     mal_by_domain,
 )
-from specserve_testing.engines import RunningEngine, complete_many, prompts
+from specserve_testing.engines import RunningEngine, at_full_k, complete_many, prompts
 
 pytestmark = pytest.mark.engine
 
@@ -28,12 +28,7 @@ pytestmark = pytest.mark.engine
 def spec_engines(
     ngram_engine: RunningEngine, suffix_engine: RunningEngine, draft_model_engine: RunningEngine
 ) -> Iterator[list[RunningEngine]]:
-    engines = [ngram_engine, suffix_engine, draft_model_engine]
-    for e in engines:
-        e.reset_policy()
-    yield engines
-    for e in engines:
-        e.reset_policy()
+    yield from at_full_k([ngram_engine, suffix_engine, draft_model_engine])
 
 
 async def test_greedy_output_is_identical_with_every_colocated_drafter(

@@ -95,6 +95,15 @@ class RunningEngine:
         return [json.loads(line) for line in complete_lines.splitlines() if line.strip()]
 
 
+def at_full_k(engines: list[RunningEngine]) -> Iterator[list[RunningEngine]]:
+    """For a fixture (`yield from`): the engines at their start-up policy, put back afterwards."""
+    for engine in engines:
+        engine.reset_policy()
+    yield engines
+    for engine in engines:
+        engine.reset_policy()
+
+
 async def complete(
     session: aiohttp.ClientSession,
     engine: RunningEngine,
