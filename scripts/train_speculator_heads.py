@@ -16,7 +16,7 @@ of row i attends to the step-1 keys of positions 0..i plus its own earlier steps
 what vLLM's drafter sees in its KV cache while it drafts. Losses distil the target's next-token
 distribution, so acceptance (agreeing with the target) is what is optimised.
 
-Seeded; a few minutes on two cores. Usage: .venv/bin/python scripts/train_speculator_heads.py [--out models]
+Seeded; about ten minutes on two cores. Usage: .venv/bin/python scripts/train_speculator_heads.py [--out models]
 """
 
 from __future__ import annotations
