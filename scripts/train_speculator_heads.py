@@ -8,15 +8,18 @@ Writes, under models/ (committed, so tests never retrain), checkpoints in the la
 - tiny-eagle/:  an EAGLE-1 head (`method: eagle`): `fc` over [embedding; final hidden state] and one
   decoder layer without input norm; vLLM shares the target's embeddings and lm_head;
 - tiny-medusa/: four Medusa heads (`method: medusa`): a residual SiLU block and an lm_head each, head k
-  reading the target's final hidden state at position i and guessing the token at i + k + 2.
+  reading the target's final hidden state at position i and guessing the token at i + k + 2;
+- tiny-mtp/:    the target re-packaged as MiMo (Qwen2 layers, zero q/k/v biases) with one MTP layer in
+  its own checkpoint (`method: mtp`, no drafter model: serve this directory as the model).
 
-The target stays frozen. EAGLE heads are trained as they run: step 1 reads the target's features, steps
-2..DEPTH read the head's own previous output ("training-time test", EAGLE-3 §3.3): the query at step s
-of row i attends to the step-1 keys of positions 0..i plus its own earlier steps' keys at row i, exactly
-what vLLM's drafter sees in its KV cache while it drafts. Losses distil the target's next-token
-distribution, so acceptance (agreeing with the target) is what is optimised.
+The target stays frozen. EAGLE heads and the MTP layer are trained as they run: step 1 reads the
+target's features, steps 2..DEPTH read the head's own previous output ("training-time test", EAGLE-3
+§3.3): the query at step s of row i attends to the step-1 keys of positions 0..i plus its own earlier
+steps' keys at row i, exactly what vLLM's drafter sees in its KV cache while it drafts. Losses distil
+the target's next-token distribution, so acceptance (agreeing with the target) is what is optimised.
 
-Seeded; about ten minutes on two cores. Usage: .venv/bin/python scripts/train_speculator_heads.py [--out models]
+Seeded; about ten minutes on two cores.
+Usage: .venv/bin/python scripts/train_speculator_heads.py [--out models]
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny_models import SEED, corpus
+from train_tiny_models import SEED, corpus  # the target's own synthetic corpus and seed
 
 SEQ_LEN = 128
 DEPTH = 4  # drafting steps trained; the heads' maximum K
@@ -96,11 +99,10 @@ class UnrolledAttention(nn.Module):
         repeat = self.heads // self.kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         scale = self.head_dim**-0.5
-        if not self.cache:
-            self.cache.append((k, v))
+        self.cache.append((k, v))
+        if len(self.cache) == 1:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            self.cache.append((k, v))
             k1, v1 = self.cache[0]
             t = q.shape[2]
             main = (q @ k1.transpose(-1, -2)) * scale
