@@ -38,6 +38,17 @@ from specserve_engine.vllm_plugins.proposer import DraftClient
 REPO = Path(__file__).resolve().parents[1]
 # The tiny sidecar pod is defined once, with the tests that check it (tests/specserve_testing).
 sys.path.insert(0, str(REPO / "tests"))
+from specserve_testing.engines import (  # noqa: E402
+    DOMAINS,
+    DRAFT_MODEL,
+    HEADS,
+    MIMO_TARGET,
+    NGRAM,
+    SUFFIX,
+    TARGET,
+    prompts,
+    target_of,
+)
 from specserve_testing.sidecar_pod import (  # noqa: E402
     BUCKETS,
     ENGINE_DRAFTER,
@@ -47,41 +58,9 @@ from specserve_testing.sidecar_pod import (  # noqa: E402
     sidecar_config,
 )
 
-MODELS = REPO / "models"
-TARGET = MODELS / "tiny-target"
-DRAFT = MODELS / "tiny-draft"
-DOMAINS = ("code", "prose")
 MAX_NUM_SEQS = 32
 TOKENS = 48
-COLOCATED = {
-    **{
-        name: SidecarDrafter(name=name, method=name, maxSpeculativeTokens=MAX_K, placement="colocated")
-        for name in ("ngram", "suffix")
-    },
-    "tiny-draft": SidecarDrafter(
-        name="tiny-draft",
-        method="draftModel",
-        source=str(DRAFT),
-        maxSpeculativeTokens=MAX_K,
-        placement="colocated",
-    ),
-}
-MIMO_TARGET = MODELS / "tiny-mtp"  # the target's weights as MiMo, with one MTP layer (method mtp)
-HEADS = {
-    name: SidecarDrafter(
-        name=name,
-        method=method,
-        source=str(MODELS / name) if method != "mtp" else None,
-        maxSpeculativeTokens=MAX_K,
-        placement="colocated",
-    )
-    for name, method in (
-        ("tiny-eagle3", "eagle3"),
-        ("tiny-eagle", "eagle"),
-        ("tiny-medusa", "medusa"),
-        ("tiny-mtp", "mtp"),
-    )
-}
+COLOCATED = {d.name: d for d in (NGRAM, SUFFIX, DRAFT_MODEL)}
 SWITCH_PLAN = [
     ("tiny-draft", 4, "on"),
     ("ngram", 2, "on"),
@@ -93,13 +72,6 @@ THROUGHPUT_BATCHES = (1, 4, 16)
 # float32: vLLM's CPU default downcasts the checkpoint to bfloat16, where verifying K+1 tokens at once and
 # decoding one token round differently enough to flip near-tied greedy choices.
 DTYPE = "float32"
-
-
-def prompts(domain: str) -> list[str]:
-    return [
-        json.loads(line)["prompt"]
-        for line in (MODELS / "prompts" / f"{domain}.jsonl").read_text().splitlines()
-    ]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -356,10 +328,7 @@ async def run_heads(workdir: Path) -> dict:
     specs = [
         engine_spec(workdir, "plain", None),
         engine_spec(workdir, "plain-mimo", None, model=MIMO_TARGET),
-        *(
-            engine_spec(workdir, name, d, model=MIMO_TARGET if d.method == "mtp" else TARGET)
-            for name, d in HEADS.items()
-        ),
+        *(engine_spec(workdir, name, d, model=target_of(d)) for name, d in HEADS.items()),
     ]
     t0 = time.perf_counter()
     engines = start_engines(specs, workdir / "logs", timeout_s=1200)

@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-from specserve_engine.api import SidecarDrafter
 from specserve_testing.engine_checks import (
     assert_counters_equal_the_step_record,
     assert_greedy_identical,
@@ -25,32 +24,16 @@ from specserve_testing.engine_checks import (
     mal_by_domain,
 )
 from specserve_testing.engines import (
-    MAX_K,
-    MODELS,
-    TARGET,
+    HEADS,
+    MIMO_TARGET,
     RunningEngine,
     at_full_k,
     engine_spec,
     running_engines,
+    target_of,
 )
 
 pytestmark = pytest.mark.engine
-
-MIMO_TARGET = MODELS / "tiny-mtp"  # the target's weights as MiMo, with one MTP layer in the checkpoint
-
-
-def _head(name: str, method: str, source: str | None) -> SidecarDrafter:
-    return SidecarDrafter(
-        name=name, method=method, source=source, maxSpeculativeTokens=MAX_K, placement="colocated"
-    )
-
-
-HEADS = {
-    "tiny-eagle3": _head("tiny-eagle3", "eagle3", str(MODELS / "tiny-eagle3")),
-    "tiny-eagle": _head("tiny-eagle", "eagle", str(MODELS / "tiny-eagle")),
-    "tiny-medusa": _head("tiny-medusa", "medusa", str(MODELS / "tiny-medusa")),
-    "tiny-mtp": _head("tiny-mtp", "mtp", None),  # MTP reuses the target checkpoint's own layer
-}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +43,7 @@ def head_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         engine_spec("heads-plain", None, base / "heads-plain"),
         engine_spec("mimo-plain", None, base / "mimo-plain", model=MIMO_TARGET),
         *(
-            engine_spec(name, drafter, base / name, model=MIMO_TARGET if drafter.method == "mtp" else TARGET)
+            engine_spec(name, drafter, base / name, model=target_of(drafter))
             for name, drafter in HEADS.items()
         ),
     ]

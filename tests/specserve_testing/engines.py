@@ -54,6 +54,30 @@ DRAFT_MODEL = SidecarDrafter(
     placement="colocated",
 )
 
+# The speculator heads (scripts/train_speculator_heads.py), colocated. MTP has no drafter checkpoint: its
+# layer ships inside the target, re-packaged as MiMo, which its engines serve instead of TARGET.
+MIMO_TARGET = MODELS / "tiny-mtp"
+HEADS = {
+    name: SidecarDrafter(
+        name=name,
+        method=method,
+        source=str(MODELS / name) if method != "mtp" else None,
+        maxSpeculativeTokens=MAX_K,
+        placement="colocated",
+    )
+    for name, method in (
+        ("tiny-eagle3", "eagle3"),
+        ("tiny-eagle", "eagle"),
+        ("tiny-medusa", "medusa"),
+        ("tiny-mtp", "mtp"),
+    )
+}
+
+
+def target_of(drafter: SidecarDrafter | None) -> Path:
+    """The model an engine with this drafter serves."""
+    return MIMO_TARGET if drafter is not None and drafter.method == "mtp" else TARGET
+
 
 def prompts(domain: str) -> list[str]:
     return [json.loads(line)["prompt"] for line in (PROMPTS / f"{domain}.jsonl").read_text().splitlines()]
