@@ -4,11 +4,11 @@ running because nothing was started yet."""
 from __future__ import annotations
 
 import shutil
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
 from specserve_operator.local.errors import LocalFleetError
-from specserve_operator.local.processes import port_in_use
 
 GIB = 1024**3
 
@@ -30,6 +30,16 @@ def require_prometheus() -> str:
     return require_binary(
         "prometheus", "the local fleet runs a real Prometheus that scrapes the engines", PROMETHEUS_HINT
     )
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
 
 
 def require_ports_free(ports: Iterable[tuple[str, int]], host: str = "127.0.0.1") -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specserve_engine.launch import free_port
 from specserve_engine.processes import GroupProcess, group_alive, group_rss_bytes
-from specserve_operator.local.processes import port_in_use
+from specserve_operator.local.preflight import port_in_use
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve_operator.local.processes import port_in_use
+from specserve_operator.local.preflight import port_in_use
 
 pytestmark = [pytest.mark.engine, pytest.mark.prometheus]
 
