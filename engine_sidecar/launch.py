@@ -82,26 +82,23 @@ class EngineSpec:
         ]
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            {
-                RUNTIME_DIR_ENV: self.runtime_dir,
-                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-                "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind,
-                "OMP_NUM_THREADS": str(self.omp_num_threads),
-                # Idle OpenMP threads must sleep, not spin: several engines share the cores.
-                "OMP_WAIT_POLICY": "PASSIVE",
-                "VLLM_TARGET_DEVICE": "cpu",
-                "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1",
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        env.update(self.env)
-        return env
+        """The engine's variables, set on top of the caller's environment (GroupProcess adds that)."""
+        return {
+            RUNTIME_DIR_ENV: self.runtime_dir,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind,
+            "OMP_NUM_THREADS": str(self.omp_num_threads),
+            # Idle OpenMP threads must sleep, not spin: several engines share the cores.
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -174,7 +171,7 @@ def start_engine(spec: EngineSpec, log_path: str | os.PathLike[str]) -> EnginePr
     port = spec.port or free_port(spec.host)
     Path(spec.runtime_dir).mkdir(parents=True, exist_ok=True)
     log = Path(log_path)
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)  # for the truncation below; the group appends after it
     # A fresh log per start (the group appends): log_tail() must not show an earlier start's lines.
     log.write_bytes(b"")
     group = GroupProcess(spec.served_model_name, spec.argv(port), log, env=spec.environment())
