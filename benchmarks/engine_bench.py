@@ -301,6 +301,11 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def mixed_prompts() -> list[str]:
+    """Code and prose prompts alternating, for the throughput points."""
+    return [p for pair in zip(prompts("code"), prompts("prose"), strict=False) for p in pair]
+
+
 def engine_spec(
     workdir: Path,
     name: str,
@@ -335,17 +340,17 @@ async def run_heads(workdir: Path) -> dict:
     print(f"head engines up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     plain, plain_mimo, *heads = engines
     try:
+        # Keyed by the model served: each head is compared with the plain engine on its own target.
         references = {
-            engine.spec.served_model_name: {d: await complete_all(engine, prompts(d)) for d in DOMAINS}
+            Path(engine.spec.model): {d: await complete_all(engine, prompts(d)) for d in DOMAINS}
             for engine in (plain, plain_mimo)
         }
         results: dict = {"greedy_identical": {}, "mal": {}, "tokens_per_s": {}}
         for (name, drafter), engine in zip(HEADS.items(), heads, strict=True):
-            reference = references["plain-mimo" if drafter.method == "mtp" else "plain"]
-            same, mal = await identity_and_mal(engine, reference)
+            same, mal = await identity_and_mal(engine, references[target_of(drafter)])
             results["greedy_identical"][f"{name}/colocated"] = same
             results["mal"][f"{name} (colocated)"] = mal
-        mixed = [p for pair in zip(prompts("code"), prompts("prose"), strict=False) for p in pair]
+        mixed = mixed_prompts()
         for batch in THROUGHPUT_BATCHES:
             row = {}
             for engine in engines:
@@ -407,7 +412,7 @@ async def run(workdir: Path) -> dict:
             same, mal = await identity_and_mal(engine, reference)
             results["greedy_identical"][f"{name}/colocated"] = same
             results["mal"][f"{name} (colocated)"] = mal
-        mixed = [p for pair in zip(prompts("code"), prompts("prose"), strict=False) for p in pair]
+        mixed = mixed_prompts()
         results["tokens_per_s"] = {}
         for batch in THROUGHPUT_BATCHES:
             row = {}
