@@ -26,6 +26,7 @@ from specserve_testing.engine_checks import (
 from specserve_testing.engines import (
     HEADS,
     MIMO_TARGET,
+    TARGET,
     RunningEngine,
     at_full_k,
     engine_spec,
@@ -62,9 +63,10 @@ async def _each_against_its_plain_engine(
     heads: list[RunningEngine],
 ) -> None:
     """Run a check with the plain engine on the same target as the reference: MTP's is MiMo."""
-    mtp = [e for e in heads if e.drafter.method == "mtp"]
-    others = [e for e in heads if e.drafter.method != "mtp"]
-    await asyncio.gather(check(head_engines["heads-plain"], others), check(head_engines["mimo-plain"], mtp))
+    plain = {TARGET: head_engines["heads-plain"], MIMO_TARGET: head_engines["mimo-plain"]}
+    await asyncio.gather(
+        *(check(ref, [e for e in heads if target_of(e.drafter) == model]) for model, ref in plain.items())
+    )
 
 
 async def test_greedy_output_is_identical_with_every_head(
