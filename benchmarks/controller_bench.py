@@ -23,11 +23,11 @@ from urllib.parse import parse_qs, urlparse
 
 import aiohttp
 
-from specserve_operator.controller import core
-from specserve_operator.controller import observations as ob
-from specserve_operator.controller.loop import FleetController
 from specserve_operator.simulator.fleet import DrafterProfile, FleetSim, SimConfig, flat
 from specserve_operator.simulator.traces import load_trace, write_trace
+from specserve_operator.tuner import core
+from specserve_operator.tuner import observations as ob
+from specserve_operator.tuner.loop import FleetController
 
 ROOT = Path(__file__).resolve().parent
 TRACES = [ROOT / "traces" / "diurnal_24h.csv", ROOT / "traces" / "bursty_6h.csv"]
@@ -314,9 +314,9 @@ def main() -> int:
     }
     report = {
         "note": (
-            "Simulated fleet (operator/simulator): step times from the roofline model with the H200 figures "
-            "measured in DESIGN §9 (4.3 TB/s, 790 TFLOP/s bf16); no GPU was lent to this session, so no "
-            "h200_calibration.json. Goodput is delivered output tokens per second: on an open-loop trace "
+            "Simulated fleet (operator/specserve_operator/simulator): step times from the roofline model "
+            "with the H200 figures in docs/policy.md (4.3 TB/s, 790 TFLOP/s bf16); no GPU was lent, so "
+            "no h200_calibration.json. Goodput is delivered output tokens per second: on an open-loop trace "
             "every policy that keeps up delivers the same tokens, so goodput ratios differ only where a "
             "policy saturates; the *_tpot ratios (best TPOT / specserve TPOT) show the latency side. A "
             "policy that saturates at the peak serves its backlog in later hours, above that hour's demand: "

@@ -8,7 +8,7 @@ import pytest
 from chart.helm import CHART, CI_VALUES, MONITORING_API, one, render
 
 from specserve_engine.api import SidecarConfig
-from specserve_operator import cli, handlers
+from specserve_operator import cli, reconciler
 from specserve_operator.render import children
 
 
@@ -41,7 +41,7 @@ def test_cluster_wide_means_no_namespace_argument() -> None:
 def test_engine_settings_reach_the_operators_render_options() -> None:
     container = _container(render(values=[CHART / "ci" / "hardened-values.yaml"]))
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    options = handlers.render_options_from_env(env)
+    options = reconciler.render_options_from_env(env)
     assert options == children.RenderOptions(
         s3_image="registry.example.com/tools/aws-cli:2.22.35",
         hf_token_secret="hf-token",
@@ -54,7 +54,7 @@ def test_engine_settings_reach_the_operators_render_options() -> None:
 def test_default_engine_settings_are_the_operators_defaults() -> None:
     container = _container(render())
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    assert handlers.render_options_from_env(env) == children.RenderOptions()
+    assert reconciler.render_options_from_env(env) == children.RenderOptions()
 
 
 def test_network_policy_selects_the_engine_pods_and_the_sidecar_port() -> None:

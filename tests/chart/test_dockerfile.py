@@ -23,7 +23,8 @@ from specserve_operator.render import children
 
 DOCKERFILE = REPO / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-PACKAGE_DIRS = PYPROJECT["tool"]["setuptools"]["package-dir"]
+# Each package folder (packages.find "where") holds the package of the same import name.
+PACKAGE_ROOTS = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"]
 
 
 def _instructions() -> list[tuple[str, str]]:
@@ -55,7 +56,7 @@ def _args() -> dict[str, str]:
 
 def _module_path(module: str) -> Path:
     top, *rest = module.split(".")
-    base = REPO / PACKAGE_DIRS[top]
+    (base,) = (REPO / root / top for root in PACKAGE_ROOTS if (REPO / root / top).is_dir())
     candidate = base.joinpath(*rest)
     return candidate / "__init__.py" if candidate.is_dir() else candidate.with_suffix(".py")
 

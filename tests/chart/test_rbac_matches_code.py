@@ -14,7 +14,7 @@ import pytest
 import yaml
 from chart.helm import REPO, find, render
 
-from specserve_operator import handlers, runner
+from specserve_operator import reconciler, runner
 from specserve_operator.kube import Connection, KubeApi
 
 Permission = tuple[str, str, str]  # (API group, resource, verb)
@@ -83,12 +83,12 @@ async def _exercise_handlers(kube: RecordingKube, monkeypatch: pytest.MonkeyPatc
     events: list[str] = []
     monkeypatch.setattr(kopf, "info", lambda *a, **k: events.append("info"))
     monkeypatch.setattr(kopf, "warn", lambda *a, **k: events.append("warn"))
-    memo = kopf.Memo(kube=kube, options=handlers.render_options_from_env({}))
+    memo = kopf.Memo(kube=kube, options=reconciler.render_options_from_env({}))
     logger = logging.getLogger("rbac-test")
     for resource in _examples():
         meta = {"namespace": "ml", "uid": "u-1", "generation": 1, **resource["metadata"]}
         body = kopf.Body({**resource, "metadata": meta})
-        await handlers.reconcile(
+        await reconciler.reconcile(
             body=body,
             spec=body.spec,
             name=meta["name"],
@@ -99,7 +99,7 @@ async def _exercise_handlers(kube: RecordingKube, monkeypatch: pytest.MonkeyPatc
             memo=memo,
             logger=logger,
         )
-        await handlers.delete_children(name=meta["name"], namespace=meta["namespace"], body=body, memo=memo)
+        await reconciler.delete_children(name=meta["name"], namespace=meta["namespace"], body=body, memo=memo)
         deployment = kopf.Body(
             {
                 "apiVersion": "apps/v1",
@@ -107,13 +107,13 @@ async def _exercise_handlers(kube: RecordingKube, monkeypatch: pytest.MonkeyPatc
                 "metadata": {
                     "name": meta["name"],
                     "namespace": meta["namespace"],
-                    "ownerReferences": [{"apiVersion": handlers.API_VERSION, "name": meta["name"]}],
+                    "ownerReferences": [{"apiVersion": reconciler.API_VERSION, "name": meta["name"]}],
                 },
                 "spec": {"replicas": 2},
                 "status": {"replicas": 2, "readyReplicas": 1},
             }
         )
-        await handlers.deployment_changed(
+        await reconciler.deployment_changed(
             body=deployment, type="MODIFIED", namespace=meta["namespace"], memo=memo
         )
     needed = set(kube.permissions)
@@ -187,7 +187,7 @@ def test_recording_client_sees_calls() -> None:
 
     kube = RecordingKube()
     asyncio.run(kube.list("v1", "Pod", "ml"))
-    asyncio.run(kube.patch_status(handlers.API_VERSION, "SpeculativeServing", "ml", "x", {}))
+    asyncio.run(kube.patch_status(reconciler.API_VERSION, "SpeculativeServing", "ml", "x", {}))
     asyncio.run(kube.delete("apps/v1", "Deployment", "ml", "x"))
     assert kube.permissions == {
         ("", "pods", "list"),

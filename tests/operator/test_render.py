@@ -13,7 +13,7 @@ import yaml
 from specserve_engine.api import SidecarConfig
 from specserve_engine.engine_args import SIDECAR_PROPOSER
 from specserve_operator.api.models import METHODS_BY_PLACEMENT, METHODS_NEEDING_SOURCE, parse_spec
-from specserve_operator.handlers import render_options_from_env
+from specserve_operator.reconciler import render_options_from_env
 from specserve_operator.render import children as render
 from specserve_operator.render.sources import resolve_source
 

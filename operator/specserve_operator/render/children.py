@@ -52,7 +52,7 @@ STARTUP_PROBE_FAILURES = 180
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """Operator-wide settings (from the operator's environment, see handlers.render_options_from_env)."""
+    """Operator-wide settings (from the operator's environment, see reconciler.render_options_from_env)."""
 
     s3_image: str = "amazon/aws-cli:2.22.35"
     hf_token_secret: str | None = None

@@ -24,11 +24,11 @@ import numpy as np
 
 from specserve_engine.buckets import DEFAULT_BUCKETS, bucket_labels
 from specserve_operator.api.models import DrafterSpec, SpeculativeServingSpec
-from specserve_operator.controller import core
-from specserve_operator.controller import observations as ob
-from specserve_operator.controller import policy as pol
-from specserve_operator.controller.costmodel import DrafterCost, drafter_cost, gpu_spec, model_shape
 from specserve_operator.simulator.traces import Trace
+from specserve_operator.tuner import core
+from specserve_operator.tuner import observations as ob
+from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner.costmodel import DrafterCost, drafter_cost, gpu_spec, model_shape
 
 POLICIES = ("off", "static_on", "static_table", "specserve", "oracle")
 DOMAINS = ("code", "prose")

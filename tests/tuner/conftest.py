@@ -9,7 +9,7 @@ import pytest
 
 from specserve_engine import metric_names as mn
 from specserve_operator.api.models import SpeculativeServingSpec
-from specserve_operator.controller import observations as ob
+from specserve_operator.tuner import observations as ob
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def _condition(serving: dict[str, Any], type_: str) -> dict[str, Any] | None:
 @pytest.fixture
 def history(rows_for, bucket_load, openmetrics_of, spec_factory) -> str:
     """Ten minutes of both pods: speculating at batch ≤ 4, plain and far slower per token at batch 64."""
-    from specserve_operator.controller.core import ResourceView
+    from specserve_operator.tuner.core import ResourceView
 
     spec = spec_factory()
     prior = ResourceView(NAMESPACE, NAME, spec, PODS).prior(spec.drafters[0])

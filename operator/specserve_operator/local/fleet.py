@@ -29,8 +29,6 @@ from specserve_engine.api import PolicyRequest
 from specserve_engine.client import SidecarClient, SidecarError
 from specserve_engine.launch import EngineProcess, free_port, start_engine
 from specserve_engine.processes import GroupProcess, group_rss_bytes
-from specserve_operator.controller.core import ResourceView
-from specserve_operator.controller.loop import FleetController
 from specserve_operator.local import preflight
 from specserve_operator.local.errors import LocalFleetError
 from specserve_operator.local.loadgen import LoadGenerator
@@ -49,8 +47,10 @@ from specserve_operator.local.rules import usable_rule_files
 from specserve_operator.local.samples import DecisionRecord, FleetSample
 from specserve_operator.local.traffic import TrafficPattern
 from specserve_operator.local.view import ViewState
+from specserve_operator.tuner.core import ResourceView
+from specserve_operator.tuner.loop import FleetController
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEFAULT_MODELS_DIR = REPO / "models"
 # Resident memory of one tiny engine (API server, engine core, worker: 2.8 GiB with a 1 GiB KV cache)
 # and its sidecar (0.3 GiB), measured on this machine (docs/local-fleet.md); the KV cache comes on top.

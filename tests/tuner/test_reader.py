@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from specserve_operator.controller import core
-from specserve_operator.controller.policy import expected_tokens
-from specserve_operator.controller.reader import MetricsUnavailable, PrometheusReader, fleet_queries
+from specserve_operator.tuner import core
+from specserve_operator.tuner.policy import expected_tokens
+from specserve_operator.tuner.reader import MetricsUnavailable, PrometheusReader, fleet_queries
 
 pytestmark = pytest.mark.prometheus
 needs_prometheus = pytest.mark.skipif(

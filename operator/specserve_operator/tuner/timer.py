@@ -18,11 +18,11 @@ import kopf
 from pydantic import ValidationError
 
 from specserve_operator.api.models import GROUP, PLURAL, VERSION, parse_spec
-from specserve_operator.controller import core
-from specserve_operator.controller.loop import FleetController, ResourceTick
-from specserve_operator.controller.report import status_patch
 from specserve_operator.kube import KubeApi, KubeError
 from specserve_operator.render import children as render
+from specserve_operator.tuner import core
+from specserve_operator.tuner.loop import FleetController, ResourceTick
+from specserve_operator.tuner.report import status_patch
 
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 TICK_S = float(os.environ.get("SPECSERVE_CONTROLLER_TICK_S", "5"))  # fixed when the module is imported

@@ -7,11 +7,11 @@ from datetime import UTC, datetime
 import aiohttp
 import pytest
 
-from specserve_operator.controller import core
-from specserve_operator.controller import observations as ob
-from specserve_operator.controller.loop import BACKOFF_BASE_S, FleetController
-from specserve_operator.controller.reader import MetricsUnavailable
-from specserve_operator.controller.report import status_patch
+from specserve_operator.tuner import core
+from specserve_operator.tuner import observations as ob
+from specserve_operator.tuner.loop import BACKOFF_BASE_S, FleetController
+from specserve_operator.tuner.reader import MetricsUnavailable
+from specserve_operator.tuner.report import status_patch
 
 NS = "ml"
 TOKEN = "secret-token"

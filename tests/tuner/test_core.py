@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from specserve_operator.controller import core
-from specserve_operator.controller import observations as ob
-from specserve_operator.controller import policy as pol
-from specserve_operator.controller.policy import MIN_STEPS
+from specserve_operator.tuner import core
+from specserve_operator.tuner import observations as ob
+from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner.policy import MIN_STEPS
 
 NS = "ml"
 

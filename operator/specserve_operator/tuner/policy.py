@@ -16,8 +16,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specserve_engine.buckets import INF, bucket_labels
-from specserve_operator.controller.costmodel import StepCostPrior
-from specserve_operator.controller.observations import BucketStats
+from specserve_operator.tuner.costmodel import StepCostPrior
+from specserve_operator.tuner.observations import BucketStats
 
 # Fewer samples than these and a measurement is not trusted (the prior stands).
 MIN_STEPS = 20.0

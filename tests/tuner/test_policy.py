@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from specserve_operator.controller import costmodel as cm
-from specserve_operator.controller import policy as pol
-from specserve_operator.controller.observations import BucketStats
+from specserve_operator.tuner import costmodel as cm
+from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner.observations import BucketStats
 
 BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128)
 

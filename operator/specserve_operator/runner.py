@@ -14,7 +14,7 @@ import kopf
 import prometheus_client
 
 # Every module whose import registers kopf handlers. Another part adds its module here with one line.
-HANDLER_MODULES: tuple[str, ...] = ("specserve_operator.handlers", "specserve_operator.controller.timer")
+HANDLER_MODULES: tuple[str, ...] = ("specserve_operator.reconciler", "specserve_operator.tuner.timer")
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 METRICS_PORT_ENV = "SPECSERVE_OPERATOR_METRICS_PORT"
 DEFAULT_METRICS_PORT = 9095

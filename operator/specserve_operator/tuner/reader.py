@@ -18,7 +18,7 @@ from prometheus_api_client import PrometheusApiClientException, PrometheusConnec
 from urllib3.util.retry import Retry
 
 from specserve_engine import metric_names as mn
-from specserve_operator.controller import observations as ob
+from specserve_operator.tuner import observations as ob
 
 POD = "namespace, pod"
 

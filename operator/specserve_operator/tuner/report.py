@@ -8,8 +8,8 @@ from datetime import datetime
 from typing import Any
 
 from specserve_operator import status as st
-from specserve_operator.controller import core
-from specserve_operator.controller.loop import ResourceTick
+from specserve_operator.tuner import core
+from specserve_operator.tuner.loop import ResourceTick
 
 METRICS_AVAILABLE = "MetricsAvailable"
 SPECULATION_HEALTHY = "SpeculationHealthy"

@@ -20,10 +20,10 @@ from prometheus_client import Counter, Histogram
 from specserve_engine import metric_names as mn
 from specserve_engine.api import PolicyRequest
 from specserve_engine.client import SidecarClient, SidecarError
-from specserve_operator.controller import core
-from specserve_operator.controller import policy as pol
-from specserve_operator.controller.observations import FleetSnapshot
-from specserve_operator.controller.reader import MetricsUnavailable, PrometheusReader
+from specserve_operator.tuner import core
+from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner.observations import FleetSnapshot
+from specserve_operator.tuner.reader import MetricsUnavailable, PrometheusReader
 
 DECISIONS = Counter(
     mn.OPERATOR_DECISIONS.name, mn.OPERATOR_DECISIONS.help, list(mn.OPERATOR_DECISIONS.labels)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from specserve_engine.buckets import bucket_for, bucket_labels
 from specserve_operator.api.models import DrafterSpec, SpeculativeServingSpec
-from specserve_operator.controller import policy as pol
-from specserve_operator.controller.costmodel import StepCostPrior, drafter_cost, gpu_spec, model_shape
-from specserve_operator.controller.observations import BucketStats, FleetSnapshot, PodObservation
+from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner.costmodel import StepCostPrior, drafter_cost, gpu_spec, model_shape
+from specserve_operator.tuner.observations import BucketStats, FleetSnapshot, PodObservation
 
 # A drafter beats the one in force only by this much predicted goodput (no switching on noise).
 SWITCH_MARGIN = 0.05
