@@ -1,9 +1,10 @@
-# The README's two commands, and the pieces they are made of.
+# The README's two commands, and the pieces they are made of. Paths are relative to this folder: from
+# elsewhere, run `make -C path/to/specserve test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MANIFEST ?= examples/local-fleet.yaml
 
-.PHONY: setup run test lint crds bench
+.PHONY: setup run test lint crds
 
 setup:
 	./scripts/setup.sh

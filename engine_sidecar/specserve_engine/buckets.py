@@ -1,4 +1,4 @@
-"""Batch-size buckets: the key of every per-batch-size metric and of the K table (DESIGN §5).
+"""Batch-size buckets: the key of every per-batch-size metric and of the K table (docs/metrics.md#labels).
 
 A bucket is named by its upper bound; a batch larger than the last bound falls in "+Inf".
 """
@@ -21,8 +21,3 @@ def bucket_for(batch_size: int, bounds: Sequence[int] = DEFAULT_BUCKETS) -> str:
     """The label of the smallest bucket whose bound is at least `batch_size`."""
     i = bisect_left(bounds, batch_size)
     return str(bounds[i]) if i < len(bounds) else INF
-
-
-def k_for(batch_size: int, k_by_bucket: dict[str, int], bounds: Sequence[int] = DEFAULT_BUCKETS) -> int:
-    """K in force for a step that scheduled `batch_size` requests (0 where the table has no entry)."""
-    return k_by_bucket.get(bucket_for(batch_size, bounds), 0)

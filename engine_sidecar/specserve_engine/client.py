@@ -1,4 +1,5 @@
-"""Async client for the sidecar control API (DESIGN §6), used by the operator and the local fleet."""
+"""Async client for the sidecar control API (docs/sidecar.md#control-api), used by the operator and the
+local fleet."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The single source of metric names: the vLLM plugin, the sidecar, the operator, the dashboards and
-the alert rules all read them from here (DESIGN §5).
+the alert rules all read them from here; docs/metrics.md documents each one.
 
 Names carry no `vllm:` prefix: vLLM unregisters every collector whose name starts with it.
 """
@@ -101,10 +101,24 @@ OPERATOR_DECISIONS = Metric(
     "specserve_operator_decisions",
     "counter",
     ("namespace", "name", "action"),
-    "Policy decisions taken by the controller.",
+    "Policy decisions taken by the tuner.",
 )
 OPERATOR_TICK_SECONDS = Metric(
-    "specserve_operator_tick_seconds", "histogram", (), "Duration of one controller evaluation tick."
+    "specserve_operator_tick_seconds", "histogram", (), "Duration of one tuner evaluation tick."
+)
+# What the tuner recommends (speculation.mode advise) or puts in force (auto), next to the sidecars'
+# specserve_sidecar_k: the K per bucket, and its predicted goodput relative to no speculation.
+OPERATOR_RECOMMENDED_K = Metric(
+    "specserve_operator_recommended_k",
+    "gauge",
+    ("namespace", "name", "mode", DRAFTER, BUCKET),
+    "K the tuner recommends per bucket (advise mode) or puts in force (auto).",
+)
+OPERATOR_PREDICTED_GAIN = Metric(
+    "specserve_operator_predicted_gain",
+    "gauge",
+    ("namespace", "name", "mode", DRAFTER),
+    "Predicted goodput of the recommended policy relative to no speculation.",
 )
 
 SPECSERVE_METRICS: tuple[Metric, ...] = (
@@ -122,6 +136,8 @@ SPECSERVE_METRICS: tuple[Metric, ...] = (
     SIDECAR_DRAFT_SECONDS,
     OPERATOR_DECISIONS,
     OPERATOR_TICK_SECONDS,
+    OPERATOR_RECOMMENDED_K,
+    OPERATOR_PREDICTED_GAIN,
 )
 
 # --- series exported by others that specserve reads ------------------------------------------------
@@ -153,7 +169,7 @@ EXTERNAL_SERIES: tuple[str, ...] = (
     "up",
 )
 
-# --- recording rules (shipped with the chart; names read by the controller and the dashboards) -----
+# --- recording rules (shipped with the chart; names read by the tuner and the dashboards) -----
 RULE_MAL = "specserve:mal:rate5m"
 RULE_ACCEPTANCE_RATE = "specserve:acceptance_rate:rate5m"
 RULE_ACCEPTANCE_PER_POSITION = "specserve:acceptance_per_position:rate5m"

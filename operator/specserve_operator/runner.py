@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(message)s"
     )
     if args.metrics_port:
-        # The controller's decision and tick metrics live in the default registry.
+        # The tuner's decision and tick metrics live in the default registry.
         prometheus_client.start_http_server(args.metrics_port)
     asyncio.run(
         run_operator(

@@ -3,6 +3,7 @@ root shadows the standard library (a folder `operator/` that was itself a packag
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -51,14 +52,66 @@ def _import_stdlib_operator(python: str) -> None:
     )
 
 
-@pytest.mark.parametrize("base", ["test interpreter", "venv interpreter"])
-def test_venv_from_repository_root(tmp_path: Path, base: str) -> None:
-    """(a) the interpreter running the tests and (c) an already active venv's interpreter both create a
-    venv from the repository root, and that venv imports the standard library's `operator`."""
-    python = sys.executable if base == "test interpreter" else str(Path(sys.prefix) / "bin" / "python")
+# The interpreters a fresh machine offers: the base interpreter below the test venv (pyenv's or python.org's),
+# a venv's own (as when one is active), and Debian's.
+INTERPRETERS = {
+    "base interpreter": getattr(sys, "_base_executable", sys.executable),
+    "venv interpreter": sys.executable,
+    "debian python3": "/usr/bin/python3",
+}
+
+
+def _interpreter(name: str) -> str:
+    python = INTERPRETERS[name]
+    if not Path(python).exists():
+        pytest.skip(f"{python} is not on this machine")
+    return python
+
+
+@pytest.mark.parametrize("name", INTERPRETERS)
+def test_venv_from_repository_root(tmp_path: Path, name: str) -> None:
+    """Every interpreter creates a venv from the repository root, and that venv and the interpreter itself
+    import the standard library's `operator` there."""
+    python = _interpreter(name)
     venv = tmp_path / "venv"
     subprocess.run(
         [python, "-m", "venv", "--without-pip", str(venv)], cwd=REPO, capture_output=True, check=True
     )
     _import_stdlib_operator(str(venv / "bin" / "python"))
     _import_stdlib_operator(python)
+
+
+def _create_venv(venv: Path, python: str, env: dict[str, str] | None = None) -> str:
+    """Runs scripts/create_venv.sh from elsewhere (as `make -C` would) and returns what pyvenv.cfg names as
+    the venv's interpreter."""
+    env = {**os.environ, **(env or {}), "PYTHON": python, "VENV": str(venv)}
+    subprocess.run([REPO / "scripts" / "create_venv.sh"], cwd=venv.parent, env=env, check=True)
+    subprocess.run([venv / "bin" / "python", "-I", "-m", "pip", "--version"], capture_output=True, check=True)
+    cfg = dict(line.split(" = ", 1) for line in (venv / "pyvenv.cfg").read_text().splitlines())
+    return cfg["executable"]
+
+
+@pytest.mark.parametrize("name", INTERPRETERS)
+def test_setup_creates_the_venv_from_a_base_interpreter(tmp_path: Path, name: str) -> None:
+    """scripts/setup.sh's venv step: an active venv's python3 creates the new venv from its base, so .venv
+    never hangs off another venv; Debian's and pyenv's python3 serve as they are."""
+    python = _interpreter(name)
+    base = subprocess.run(
+        [python, "-I", "-c", "import sys; print(sys._base_executable)"], capture_output=True, text=True
+    ).stdout.strip()
+    active = {"VIRTUAL_ENV": sys.prefix, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    made_with = _create_venv(tmp_path / "venv", python, active if name == "venv interpreter" else None)
+    assert Path(made_with).resolve() == Path(base).resolve()
+    assert not Path(made_with).is_relative_to(sys.prefix)
+
+
+def test_setup_replaces_a_half_made_venv(tmp_path: Path) -> None:
+    """A venv left without pip (Debian's python3 without python3-venv fails half-way) is made again, and a
+    second run keeps what is there."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    _create_venv(venv, sys.executable)
+    marker = venv / "kept"
+    marker.touch()
+    _create_venv(venv, sys.executable)
+    assert marker.exists()

@@ -14,14 +14,11 @@ def test_parse_and_locate() -> None:
     assert p.max_concurrency == 12
     assert p.phases[1].code_fraction == 0.8
     assert p.phases[0].code_fraction == 0.5
-    assert p.concurrency_at(0) == 1
-    assert p.concurrency_at(9.99) == 1
-    assert p.concurrency_at(10) == 12
+    assert [p.phase_at(t).index for t in (0, 9.99, 10)] == [0, 0, 1]
     at = p.phase_at(41)
     assert at is not None and at.index == 2 and at.start_s == 40 and at.end_s == 45
     assert p.phase_at(45) is None
     assert p.phase_at(-1) is None
-    assert p.concurrency_at(100) == 0
 
 
 def test_render_round_trips() -> None:

@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections import Counter, defaultdict
 
-from specserve_engine import metric_names as m
+from specserve_engine import metric_names
 from specserve_engine.buckets import DEFAULT_BUCKETS, bucket_for
 from specserve_engine.policy_file import PodPolicy
 from specserve_testing.engines import DOMAINS, RunningEngine, complete_many, prompts, scrape
@@ -61,8 +61,8 @@ async def mal_by_domain(engine: RunningEngine) -> dict[str, float]:
                 before, f"{name}_total", drafter=drafter
             )
 
-        drafts = delta(m.SPEC_DRAFTS.name)
-        mal[domain] = 1 + delta(m.SPEC_ACCEPTED_TOKENS.name) / drafts if drafts else 1.0
+        drafts = delta(metric_names.SPEC_DRAFTS.name)
+        mal[domain] = 1 + delta(metric_names.SPEC_ACCEPTED_TOKENS.name) / drafts if drafts else 1.0
     return mal
 
 
@@ -95,7 +95,7 @@ async def _settled(engine: RunningEngine, n_steps: int, timeout_s: float = 10.0)
     deadline = time.monotonic() + timeout_s
     while True:
         samples = await scrape(engine)
-        if sample_sum(samples, f"{m.ENGINE_STEPS.name}_total", model_name=engine.name) >= n_steps:
+        if sample_sum(samples, f"{metric_names.ENGINE_STEPS.name}_total", model_name=engine.name) >= n_steps:
             return samples
         if time.monotonic() > deadline:
             return samples
@@ -116,7 +116,7 @@ async def assert_counters_equal_the_step_record(engines: list[RunningEngine]) ->
     await asyncio.gather(*(workload(e) for e in engines))
     for engine, before, start in zip(engines, befores, starts, strict=True):
         steps = engine.trace()[start:]
-        total_before = sample_sum(before, f"{m.ENGINE_STEPS.name}_total", model_name=engine.name)
+        total_before = sample_sum(before, f"{metric_names.ENGINE_STEPS.name}_total", model_name=engine.name)
         after = await _settled(engine, int(total_before) + len(steps))
         _check_exact(engine, steps, before, after)
 
@@ -126,17 +126,21 @@ def _check_exact(engine: RunningEngine, steps: list[dict], before: dict, after: 
     for step in steps:
         bucket = bucket_for(step["batch"], DEFAULT_BUCKETS)
         speculating = "true" if any(step["drafted"]) else "false"
-        expect[(m.ENGINE_STEPS.name, bucket, speculating)] += 1
-        expect[(m.ENGINE_GENERATED_TOKENS.name, bucket, speculating)] += step["generated"]
+        expect[(metric_names.ENGINE_STEPS.name, bucket, speculating)] += 1
+        expect[(metric_names.ENGINE_GENERATED_TOKENS.name, bucket, speculating)] += step["generated"]
         if step["drafted"]:
-            expect[(m.SPEC_DRAFTS.name, bucket)] += len(step["drafted"])
-            expect[(m.SPEC_DRAFT_TOKENS.name, bucket)] += sum(step["drafted"])
-            expect[(m.SPEC_ACCEPTED_TOKENS.name, bucket)] += sum(step["accepted"])
+            expect[(metric_names.SPEC_DRAFTS.name, bucket)] += len(step["drafted"])
+            expect[(metric_names.SPEC_DRAFT_TOKENS.name, bucket)] += sum(step["drafted"])
+            expect[(metric_names.SPEC_ACCEPTED_TOKENS.name, bucket)] += sum(step["accepted"])
             for drafted, accepted in zip(step["drafted"], step["accepted"], strict=True):
                 for pos in range(drafted):
-                    expect[(m.SPEC_DRAFT_TOKENS_PER_POSITION.name, bucket, str(pos))] += 1
-                    expect[(m.SPEC_ACCEPTED_TOKENS_PER_POSITION.name, bucket, str(pos))] += pos < accepted
-    assert any(k[0] == m.SPEC_DRAFTS.name for k in expect), f"{engine.name}: the workload produced no drafts"
+                    expect[(metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.name, bucket, str(pos))] += 1
+                    expect[(metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.name, bucket, str(pos))] += (
+                        pos < accepted
+                    )
+    assert any(k[0] == metric_names.SPEC_DRAFTS.name for k in expect), (
+        f"{engine.name}: the workload produced no drafts"
+    )
     assert len({k[1] for k in expect}) >= 2, "the workload should cover several buckets"
 
     def delta(name: str, **labels: str) -> float:
@@ -149,23 +153,30 @@ def _check_exact(engine: RunningEngine, steps: list[dict], before: dict, after: 
     drafter = engine.drafter.name
     for bucket in buckets:
         for speculating in ("true", "false"):
-            for metric in (m.ENGINE_STEPS, m.ENGINE_GENERATED_TOKENS):
+            for metric in (metric_names.ENGINE_STEPS, metric_names.ENGINE_GENERATED_TOKENS):
                 got = delta(metric.name, bucket=bucket, speculating=speculating)
                 assert got == expect[(metric.name, bucket, speculating)], (metric.name, bucket, speculating)
-            seconds = delta(m.ENGINE_STEP_SECONDS.name, bucket=bucket, speculating=speculating)
-            assert (seconds > 0) == (expect[(m.ENGINE_STEPS.name, bucket, speculating)] > 0)
-        for metric in (m.SPEC_DRAFTS, m.SPEC_DRAFT_TOKENS, m.SPEC_ACCEPTED_TOKENS):
+            seconds = delta(metric_names.ENGINE_STEP_SECONDS.name, bucket=bucket, speculating=speculating)
+            assert (seconds > 0) == (expect[(metric_names.ENGINE_STEPS.name, bucket, speculating)] > 0)
+        for metric in (
+            metric_names.SPEC_DRAFTS,
+            metric_names.SPEC_DRAFT_TOKENS,
+            metric_names.SPEC_ACCEPTED_TOKENS,
+        ):
             assert delta(metric.name, bucket=bucket, drafter=drafter) == expect[(metric.name, bucket)], (
                 engine.name,
                 metric.name,
                 bucket,
             )
         for pos in range(engine.drafter.max_speculative_tokens):
-            for metric in (m.SPEC_DRAFT_TOKENS_PER_POSITION, m.SPEC_ACCEPTED_TOKENS_PER_POSITION):
+            for metric in (
+                metric_names.SPEC_DRAFT_TOKENS_PER_POSITION,
+                metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION,
+            ):
                 got = delta(metric.name, bucket=bucket, drafter=drafter, position=str(pos))
                 assert got == expect[(metric.name, bucket, str(pos))], (engine.name, metric.name, bucket, pos)
     # And the totals agree with vLLM's own (unbucketed) counters.
-    vllm_drafts = sample_sum(after, m.VLLM_SPEC_DRAFTS, model_name=engine.name) - sample_sum(
-        before, m.VLLM_SPEC_DRAFTS, model_name=engine.name
+    vllm_drafts = sample_sum(after, metric_names.VLLM_SPEC_DRAFTS, model_name=engine.name) - sample_sum(
+        before, metric_names.VLLM_SPEC_DRAFTS, model_name=engine.name
     )
-    assert vllm_drafts == sum(v for k, v in expect.items() if k[0] == m.SPEC_DRAFTS.name)
+    assert vllm_drafts == sum(v for k, v in expect.items() if k[0] == metric_names.SPEC_DRAFTS.name)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from specserve_operator.local.prometheus import PrometheusProcess, backfill_openmetrics
+from specserve_operator.local.prometheus import PrometheusError, PrometheusProcess, require_binary
 
 
 @pytest.fixture
@@ -28,3 +30,24 @@ def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., PrometheusProce
     yield start
     for prom in started:
         prom.stop()
+
+
+def backfill_openmetrics(openmetrics: str, data_dir: Path) -> None:
+    """Write OpenMetrics samples (ending with `# EOF`) into TSDB blocks that a Prometheus on `data_dir`
+    serves: deterministic history for tests, with `promtool tsdb create-blocks-from openmetrics`."""
+    promtool = require_binary("promtool")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".om", delete=False) as f:
+        f.write(openmetrics if openmetrics.rstrip().endswith("# EOF") else openmetrics.rstrip() + "\n# EOF\n")
+        src = f.name
+    try:
+        result = subprocess.run(
+            [promtool, "tsdb", "create-blocks-from", "openmetrics", src, str(data_dir)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise PrometheusError(f"promtool backfill failed: {result.stderr or result.stdout}")
+    finally:
+        Path(src).unlink(missing_ok=True)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from specserve_engine import metric_names as m
+from specserve_engine import metric_names
 from specserve_engine.api import SidecarState
 from specserve_engine.client import SidecarClient, SidecarError
+from specserve_operator.local.prometheus import scrape_config
 from specserve_operator.local.samples import PodSample
 
 Vector = list[tuple[dict[str, str], float]]
@@ -53,23 +54,32 @@ def _ratio(num: str, den: str, by: str, window: str, ns: str) -> str:
 
 def mal_expr(by: str, window: str, namespace: str) -> str:
     """MAL = 1 + Δaccepted / Δdrafts, from the plugin's per-bucket counters, or vLLM's own without them."""
-    own = _ratio(f"{m.SPEC_ACCEPTED_TOKENS.name}_total", f"{m.SPEC_DRAFTS.name}_total", by, window, namespace)
+    own = _ratio(
+        f"{metric_names.SPEC_ACCEPTED_TOKENS.name}_total",
+        f"{metric_names.SPEC_DRAFTS.name}_total",
+        by,
+        window,
+        namespace,
+    )
     if "bucket" in by:
         return f"1 + ({own})"
-    vllm = _ratio(m.VLLM_SPEC_ACCEPTED_TOKENS, m.VLLM_SPEC_DRAFTS, by, window, namespace)
+    vllm = _ratio(
+        metric_names.VLLM_SPEC_ACCEPTED_TOKENS, metric_names.VLLM_SPEC_DRAFTS, by, window, namespace
+    )
     return f"1 + (({own}) or ({vllm}))"
 
 
 def batch_expr(namespace: str) -> str:
-    return f'sum by (pod) ({m.VLLM_REQUESTS_RUNNING}{{namespace="{namespace}"}})'
+    return f'sum by (pod) ({metric_names.VLLM_REQUESTS_RUNNING}{{namespace="{namespace}"}})'
 
 
 def tokens_expr(namespace: str, window: str = "10s") -> str:
-    return f'sum by (pod) (rate({m.VLLM_GENERATION_TOKENS}{{namespace="{namespace}"}}[{window}]))'
+    return f'sum by (pod) (rate({metric_names.VLLM_GENERATION_TOKENS}{{namespace="{namespace}"}}[{window}]))'
 
 
 def steps_by_bucket_expr(window: str, namespace: str) -> str:
-    return f'sum by (bucket) (increase({m.ENGINE_STEPS.name}_total{{namespace="{namespace}"}}[{window}]))'
+    steps = f"{metric_names.ENGINE_STEPS.name}_total"
+    return f'sum by (bucket) (increase({steps}{{namespace="{namespace}"}}[{window}]))'
 
 
 def by_label(vector: Vector, label: str) -> dict[str, float]:
@@ -137,12 +147,11 @@ def scrape_jobs(
     """Prometheus scrape jobs for (pod, container, host:port) targets, labelled as a pod's would be by a
     ServiceMonitor (namespace, pod, container), so the controller's queries work unchanged."""
     return [
-        {
-            "job_name": f"{pod}-{container}",
-            "scrape_interval": f"{interval_s:g}s",
-            "static_configs": [
-                {"targets": [address], "labels": {"namespace": namespace, "pod": pod, "container": container}}
-            ],
-        }
+        scrape_config(
+            f"{pod}-{container}",
+            [address],
+            interval_s,
+            {"namespace": namespace, "pod": pod, "container": container},
+        )
         for pod, container, address in targets
     ]

@@ -6,7 +6,6 @@ Debian's `prometheus` package provides the binary (scripts/setup.sh installs it)
 from __future__ import annotations
 
 import shutil
-import subprocess
 import tempfile
 import time
 import urllib.error
@@ -114,12 +113,6 @@ class PrometheusProcess:
         self.stop()
         raise PrometheusError(f"prometheus did not become ready on {self.url} within {timeout_s:.0f}s")
 
-    def reload(self) -> None:
-        """Re-read the configuration and rule files."""
-        req = urllib.request.Request(f"{self.url}/-/reload", method="POST")
-        with urllib.request.urlopen(req, timeout=5):
-            pass
-
     def stop(self) -> None:
         group, self._group = self._group, None
         if group is not None:
@@ -133,24 +126,3 @@ class PrometheusProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def backfill_openmetrics(openmetrics: str, data_dir: Path) -> None:
-    """Write OpenMetrics samples (ending with `# EOF`) into TSDB blocks that a Prometheus on `data_dir`
-    serves: deterministic history for tests, with `promtool tsdb create-blocks-from openmetrics`."""
-    promtool = require_binary("promtool")
-    data_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".om", delete=False) as f:
-        f.write(openmetrics if openmetrics.rstrip().endswith("# EOF") else openmetrics.rstrip() + "\n# EOF\n")
-        src = f.name
-    try:
-        result = subprocess.run(
-            [promtool, "tsdb", "create-blocks-from", "openmetrics", src, str(data_dir)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise PrometheusError(f"promtool backfill failed: {result.stderr or result.stdout}")
-    finally:
-        Path(src).unlink(missing_ok=True)

@@ -80,10 +80,6 @@ class TrafficPattern:
             start += phase.duration_s
         return None
 
-    def concurrency_at(self, t_s: float) -> int:
-        at = self.phase_at(t_s)
-        return at.phase.concurrency if at else 0
-
     def boundaries(self) -> list[PhaseAt]:
         """Every phase with its start time, in order."""
         out: list[PhaseAt] = []
