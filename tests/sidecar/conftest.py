@@ -11,7 +11,8 @@ import pytest
 
 from specserve_engine.api import PolicyRequest, SidecarConfig
 from specserve_engine.draft_protocol import SOCKET_NAME
-from specserve_engine.server import DraftSocketServer, SidecarService
+from specserve_engine.draft_socket import DraftSocketServer
+from specserve_engine.sidecar_service import SidecarService
 
 
 @pytest.fixture(scope="session")

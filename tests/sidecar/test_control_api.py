@@ -1,19 +1,20 @@
-"""The control API over real HTTP (DESIGN §6): every good call, every bad call with its 4xx, and the
-policy in force (state and policy.json) unchanged by anything refused."""
+"""The control API (control_api.py) over real HTTP (docs/sidecar.md, "Control API"): every good call,
+every bad call with its 4xx, and the policy in force (state and policy.json) unchanged by anything
+refused."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from specserve_engine.api import PolicyRequest, SidecarConfig, SidecarState
+from specserve_engine.api import SidecarConfig, SidecarState
+from specserve_engine.control_api import build_app
 from specserve_engine.policy_file import policy_path
-from specserve_engine.server import SidecarService, build_app
+from specserve_engine.sidecar_service import SidecarService
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -108,44 +109,3 @@ async def test_not_ready_before_warm_up(config: SidecarConfig) -> None:
         await service.start()
         assert (await api.get("/readyz")).status == 200
         assert (await api.get("/v1/state")).status == 200  # no token configured: open
-
-
-async def wait_for(api: TestClient, pred: Callable[[SidecarState], bool]) -> SidecarState:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 60.0
-    while loop.time() < end:
-        st = await state(api)
-        if pred(st):
-            return st
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out; last state {st}")
-
-
-async def test_a_model_drafter_loads_in_the_background_then_switches(api: TestClient) -> None:
-    st = await state(api)
-    statuses = {d.name: d.status for d in st.drafters}
-    assert statuses == {"ngram": "loaded", "suffix": "loaded", "self": "available"}
-    status, data = await put(api, body(2, "self", 3))
-    assert status == 202
-    assert (data["drafter"], data["pendingDrafter"]) == ("ngram", "self")
-    assert {d["name"]: d["status"] for d in data["drafters"]}["self"] == "loading"
-    status, again = await put(api, body(2, "self", 3))  # repeated while loading: still pending
-    assert (status, again["pendingDrafter"]) == (202, "self")
-    st = await wait_for(api, lambda s: s.drafter == "self")
-    assert (st.policy_version, st.pending_drafter) == (2, None)
-    assert {d.name: d.status for d in st.drafters}["self"] == "loaded"
-
-
-async def test_a_newer_policy_supersedes_a_pending_switch(api: TestClient, service: SidecarService) -> None:
-    status, _ = await put(api, body(2, "self", 3))
-    assert status == 202
-    status, data = await put(api, body(3, "suffix", 1))
-    assert (status, data["drafter"], data["pendingDrafter"]) == (200, "suffix", None)
-    await wait_for(api, lambda s: {d.name: d.status for d in s.drafters}["self"] == "loaded")
-    st = await state(api)
-    assert (st.drafter, st.policy_version) == ("suffix", 3)  # the finished load did not switch back
-
-
-async def test_policy_request_model_round_trip() -> None:
-    req = PolicyRequest.model_validate(body(4))
-    assert req.k_for_bucket("1") == 2 and req.k_for_bucket("8") == 0

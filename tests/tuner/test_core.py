@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve_operator.tuner import core
-from specserve_operator.tuner import observations as ob
-from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner import core, observations, policy
 from specserve_operator.tuner.policy import MIN_STEPS
 
 NS = "ml"
@@ -19,7 +17,7 @@ def view_of(spec, pods=("pod-a", "pod-b")) -> core.ResourceView:
 def decide(
     view: core.ResourceView, rows: list, state: core.ResourceState, now: float, mixed=()
 ) -> core.Decision:
-    snap = ob.build_snapshot(rows, 300.0)
+    snap = observations.build_snapshot(rows, 300.0)
     return core.decide(view, snap, state, core.FleetCosts([view], snap, mixed), now)
 
 
@@ -155,7 +153,7 @@ def test_switched_pods_calibrate_only_plain_steps(spec_factory, rows_for, bucket
     prior = view.prior(spec.drafters[0])
     loads = healthy_loads(bucket_load, prior, slow_high=5.0)
     rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
-    snap = ob.build_snapshot(rows, 300.0)
+    snap = observations.build_snapshot(rows, 300.0)
     measured = core.FleetCosts([view], snap).cost(view, spec.drafters[0])
     assert measured.measured_spec("64")
     mixed = core.FleetCosts([view], snap, {(NS, "pod-a"), (NS, "pod-b")}).cost(view, spec.drafters[0])
@@ -193,19 +191,19 @@ def test_off_bucket_stays_off_after_its_spec_steps_leave_the_window(
     later_rows = rows_for(NS, "pod-a", "draft", later) + rows_for(NS, "pod-b", "draft", later)
     cooldown = spec.speculation.cooldown_seconds
 
-    def run(memory: pol.RatioMemory | None) -> list[int]:
+    def run(memory: policy.RatioMemory | None) -> list[int]:
         state = core.ResourceState.initial(spec)
         ks = []
         for i, (now, rows) in enumerate(
             [(0.0, first_rows)] + [(cooldown * t + 1, later_rows) for t in (1, 2, 3)]
         ):
-            snap = ob.build_snapshot(rows, 300.0)
+            snap = observations.build_snapshot(rows, 300.0)
             d = core.decide(view, snap, state, core.FleetCosts([view], snap, (), memory, now), now)
             assert i > 0 or d.k_by_bucket["64"] == 0
             ks.append(d.k_by_bucket["64"])
         return ks
 
-    assert run(pol.RatioMemory()) == [0, 0, 0, 0]
+    assert run(policy.RatioMemory()) == [0, 0, 0, 0]
     assert any(run(None)[1:])  # the weakness the memory fixes
 
 
@@ -215,16 +213,16 @@ def test_fleet_costs_remember_measured_ratios_until_they_expire(spec_factory, ro
     drafter = spec.drafters[0]
     prior = view.prior(drafter)
     slow = healthy_loads(bucket_load, prior, slow_high=3.0)
-    snap = ob.build_snapshot(
+    snap = observations.build_snapshot(
         rows_for(NS, "pod-a", "draft", slow) + rows_for(NS, "pod-b", "draft", slow), 300.0
     )
-    memory = pol.RatioMemory()
+    memory = policy.RatioMemory()
     measured = core.FleetCosts([view], snap, (), memory, now=0.0).cost(view, drafter).ratio("64", 3)
     assert measured == pytest.approx(3.0, rel=0.05)
-    empty = ob.FleetSnapshot(window_s=300.0)
+    empty = observations.FleetSnapshot(window_s=300.0)
     # Remembered while fresh (not counted as measured in the window: exploration still re-measures it).
-    recalled = core.FleetCosts([view], empty, (), memory, now=pol.RATIO_TTL_S - 1).cost(view, drafter)
+    recalled = core.FleetCosts([view], empty, (), memory, now=policy.RATIO_TTL_S - 1).cost(view, drafter)
     assert recalled.ratio("64", 3) == pytest.approx(measured) and not recalled.measured_spec("64")
     # Expired: back to the median/prior.
-    expired = core.FleetCosts([view], empty, (), memory, now=pol.RATIO_TTL_S + 1).cost(view, drafter)
+    expired = core.FleetCosts([view], empty, (), memory, now=policy.RATIO_TTL_S + 1).cost(view, drafter)
     assert expired.ratio("64", 3) == pytest.approx(1.0)

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from specserve_engine.buckets import bucket_for, bucket_labels
-from specserve_operator.api.models import DrafterSpec, SpeculativeServingSpec
-from specserve_operator.tuner import policy as pol
+from specserve_operator.api.models import DrafterSpec, SpeculationSpec, SpeculativeServingSpec
+from specserve_operator.tuner import policy
 from specserve_operator.tuner.costmodel import StepCostPrior, drafter_cost, gpu_spec, model_shape
 from specserve_operator.tuner.observations import BucketStats, FleetSnapshot, PodObservation
 
@@ -30,7 +30,8 @@ DEFAULT_GPU = "NVIDIA-H100"
 def live_switchable(drafter: DrafterSpec, engine_drafter: str | None) -> bool:
     """Whether pods can run `drafter` without a restart. An engine started with a colocated drafter
     (vLLM's own method) runs only that one; an engine started with the sidecar proposer (custom_class,
-    `engine_drafter` None) switches live among the sidecar-hosted drafters (DESIGN §4)."""
+    `engine_drafter` None) switches live among the sidecar-hosted drafters (docs/sidecar.md, "What
+    switches live, and how")."""
     if engine_drafter is not None:
         return drafter.name == engine_drafter
     return drafter.placement != "colocated"
@@ -53,14 +54,16 @@ class ResourceView:
     def gpu_product(self) -> str:
         return self.spec.engine.gpu.product or DEFAULT_GPU
 
-    def cost_group(self, drafter: DrafterSpec) -> tuple[str, str, int, str, str]:
-        """Step-time measurements are shared by every resource with the same model, GPU and drafter."""
+    def cost_group(self, drafter: DrafterSpec) -> tuple[str, str, int, str, str, bool]:
+        """Step-time measurements are shared by every resource with the same model, GPU and drafter (a head
+        drafting in parallel, P-EAGLE, costs differently from the same head drafting in sequence)."""
         return (
             self.spec.model.name,
             self.gpu_product,
             self.spec.model.tensor_parallel_size,
             drafter.method,
             drafter.source or "",
+            drafter.parallel_drafting,
         )
 
     def prior(self, drafter: DrafterSpec) -> StepCostPrior:
@@ -68,7 +71,7 @@ class ResourceView:
         return StepCostPrior(
             model=model_shape(self.spec.model.name),
             gpu=gpu_spec(self.gpu_product),
-            drafter=drafter_cost(drafter.method),
+            drafter=drafter_cost(drafter.method, drafter.parallel_drafting),
             context_len=context,
             tp=self.spec.model.tensor_parallel_size,
         )
@@ -166,16 +169,18 @@ class Decision:
 
 class FleetCosts:
     """Calibrated step-time models, one per (model, GPU, TP, drafter) group, pooled over every pod of
-    every resource in that group: what one resource learns about the hardware, all use. With `memory`
-    (kept by the caller between ticks), every ratio measured in this window is remembered, and a bucket
-    without a measurement in the window uses its remembered ratio (until `memory.ttl_s` after `now`)."""
+    every resource in that group: what one resource learns about the hardware, all use. A group without
+    speculative measurements borrows its siblings' (same model, GPU and TP, another drafter). With
+    `memory` (kept by the caller between ticks), every ratio measured in this window is remembered, and a
+    bucket without a measurement in the window uses its remembered ratio (until `memory.ttl_s` after
+    `now`)."""
 
     def __init__(
         self,
         views: Iterable[ResourceView],
         snapshot: FleetSnapshot,
         mixed: Iterable[tuple[str, str]] = (),
-        memory: pol.RatioMemory | None = None,
+        memory: policy.RatioMemory | None = None,
         now: float = 0.0,
     ) -> None:
         mixed_pods = set(mixed)
@@ -196,48 +201,97 @@ class FleetCosts:
                 target = pooled.setdefault(group, {})
                 for label, stats in obs.buckets.items():
                     if (view.namespace, pod) in mixed_pods:
-                        stats = pol.BucketStats(stats.steps_plain, stats.seconds_plain, stats.tokens_plain)
-                    target.setdefault(label, pol.BucketStats()).add(stats)
+                        stats = BucketStats(stats.steps_plain, stats.seconds_plain, stats.tokens_plain)
+                    target.setdefault(label, BucketStats()).add(stats)
         self._pooled = pooled
-        self._cache: dict[tuple, pol.CalibratedCost] = {}
-        self._own_cache: dict[tuple, pol.CalibratedCost] = {}
         groups = set(memory.plain) | set(memory.spec) if memory is not None else set()
         self._remembered = {group: memory.recall(group, now) for group in groups}  # type: ignore[union-attr]
+        # Each measured group on its own measurements: what it remembers, and what its siblings borrow.
+        self._measured = {
+            group: policy.CalibratedCost(
+                self._priors[group], stats, self._bounds[group], None, self._remembered.get(group, ({}, {}))
+            )
+            for group, stats in pooled.items()
+        }
         if memory is not None:
-            for group in pooled:
-                own = self._own(group)
-                memory.record(group, own.plain_ratio, own.spec_ratio, now)
+            for group, measured in self._measured.items():
+                memory.record(group, measured.plain_ratio, measured.spec_ratio, now)
+        self._costs: dict[tuple, policy.CalibratedCost] = {}
 
-    def _own(
-        self, group: tuple, view: ResourceView | None = None, drafter: DrafterSpec | None = None
-    ) -> pol.CalibratedCost:
-        if group not in self._own_cache:
-            prior = self._priors.get(group) or view.prior(drafter)  # type: ignore[arg-type,union-attr]
-            bounds = self._bounds.get(group) or tuple(view.spec.speculation.batch_buckets)  # type: ignore[union-attr]
-            self._own_cache[group] = pol.CalibratedCost(
-                prior, self._pooled.get(group, {}), bounds, remembered=self._remembered.get(group, ({}, {}))
-            )
-        return self._own_cache[group]
-
-    def cost(self, view: ResourceView, drafter: DrafterSpec) -> pol.CalibratedCost:
+    def cost(self, view: ResourceView, drafter: DrafterSpec) -> policy.CalibratedCost:
         group = view.cost_group(drafter)
-        if group not in self._cache:
-            own = self._own(group, view, drafter)
-            excess = None
-            if not own.spec_ratio:
-                siblings = [
-                    self._own(g, view, None).spec_excess
-                    for g in self._pooled
-                    if g[:3] == group[:3] and g != group
-                ]
-                measured = sorted(e for e in siblings if e is not None)
-                excess = measured[len(measured) // 2] if measured else None
-            prior = self._priors.get(group) or view.prior(drafter)
-            bounds = self._bounds.get(group) or tuple(view.spec.speculation.batch_buckets)
-            self._cache[group] = pol.CalibratedCost(
-                prior, self._pooled.get(group, {}), bounds, excess, self._remembered.get(group, ({}, {}))
-            )
-        return self._cache[group]
+        if group not in self._costs:
+            measured = self._measured.get(group)
+            if measured is not None and measured.spec_ratio:
+                self._costs[group] = measured
+            else:
+                siblings = sorted(
+                    excess
+                    for other, cost in self._measured.items()
+                    if other[:3] == group[:3] and other != group and (excess := cost.spec_excess) is not None
+                )
+                self._costs[group] = policy.CalibratedCost(
+                    self._priors.get(group) or view.prior(drafter),
+                    self._pooled.get(group, {}),
+                    self._bounds.get(group) or tuple(view.spec.speculation.batch_buckets),
+                    siblings[len(siblings) // 2] if siblings else None,
+                    self._remembered.get(group, ({}, {})),
+                )
+        return self._costs[group]
+
+
+# ---- decide: a pipeline of pure steps ------------------------------------------------------------------
+# decide() runs the steps below in order and carries their results into the ResourceState; each step
+# takes what it needs and returns what it found, so each is tested on its own (tests/tuner/test_core.py).
+
+
+@dataclass(frozen=True)
+class ForcedPolicy:
+    """What `speculation.mode` imposes whatever was measured."""
+
+    mode: str  # off | on
+    drafter: str | None  # None: the drafter in force stays
+    k_by_bucket: dict[str, int]
+
+
+def forced_policy(spec: SpeculativeServingSpec) -> ForcedPolicy | None:
+    """Mode off (or no drafter at all): K 0 everywhere. Mode on: the initial drafter at its largest K
+    everywhere. Mode auto: None, the controller decides."""
+    labels = bucket_labels(spec.speculation.batch_buckets)
+    if spec.speculation.mode == "off" or not spec.drafters:
+        return ForcedPolicy("off", None, {label: 0 for label in labels})
+    if spec.speculation.mode == "on":
+        default = spec.initial_drafter or spec.drafters[0]
+        return ForcedPolicy("on", default.name, {label: default.max_speculative_tokens for label in labels})
+    return None
+
+
+def missing_data(view: ResourceView, snapshot: FleetSnapshot) -> tuple[str, str] | None:
+    """(action, reason) when there is nothing to decide on: no ready pod, or a pod without engine metrics.
+    Partial data: deciding on the pods that answered could push the others a policy learned from a
+    different load; everything in force stays until the whole group is seen again."""
+    if not view.pods:
+        return "hold", "no ready pods"
+    missing = [
+        p
+        for p in view.pods
+        if not snapshot.pods.get((view.namespace, p), PodObservation("", "")).has_engine_data
+    ]
+    if missing:
+        return "noData", f"no metrics for pods {', '.join(sorted(missing))}"
+    return None
+
+
+def measured_acceptance(
+    drafters: Mapping[str, DrafterSpec], observations: list[PodObservation]
+) -> dict[str, policy.Acceptance]:
+    """Acceptance per drafter on this resource's traffic in the window. Only drafters measured now are
+    compared: an older measurement was taken on another traffic mix (trials keep the others fresh)."""
+    accs: dict[str, policy.Acceptance] = {}
+    for name, d in drafters.items():
+        stats, fallback = _pooled_acceptance_stats(observations, name)
+        accs[name] = policy.acceptance(stats, d.max_speculative_tokens, fallback if fallback.drafts else None)
+    return accs
 
 
 def _pooled_acceptance_stats(
@@ -254,195 +308,122 @@ def _pooled_acceptance_stats(
     return stats, fallback
 
 
-def _action(old: Mapping[str, int], new: Mapping[str, int]) -> str:
-    on = [b for b in new if new[b] > 0 and old.get(b, 0) == 0]
-    off = [b for b in new if new[b] == 0 and old.get(b, 0) > 0]
-    if off:
-        return "disable"
-    if on:
-        return "enable"
-    return "setK" if dict(old) != dict(new) else "hold"
-
-
-def decide(
-    view: ResourceView, snapshot: FleetSnapshot, state: ResourceState, costs: FleetCosts, now: float
-) -> Decision:
-    """Decide this resource's policy; updates `state` (the desired policy) in place."""
-    spec = view.spec
-    spc = spec.speculation
-    bounds = tuple(spc.batch_buckets)
-    labels = bucket_labels(bounds)
-    drafters = {d.name: d for d in spec.drafters}
-    observations = [
-        snapshot.pods[(view.namespace, p)] for p in view.pods if (view.namespace, p) in snapshot.pods
-    ]
-    missing = [
-        p
-        for p in view.pods
-        if not snapshot.pods.get((view.namespace, p), PodObservation("", "")).has_engine_data
-    ]
-
-    def finish(action: str, reason: str, changed: bool, rollout: str | None = None) -> Decision:
-        if changed:
-            state.policy_version += 1
-        return _decision(view, state, observations, action, reason, changed, rollout, scores, now)
-
-    scores: dict[str, float] = {}
-    old_table = dict(state.k_by_bucket)
-    old_drafter = state.drafter
-    old_canary = state.canary
-
-    if spc.mode == "off" or not drafters:
-        state.k_by_bucket = {label: 0 for label in labels}
-        state.canary = None
-        changed = old_table != state.k_by_bucket or old_canary is not None
-        return finish("disable" if changed else "hold", "speculation.mode is off", changed)
-    if state.drafter not in drafters:
-        state.drafter = (spec.initial_drafter or spec.drafters[0]).name
-    if spc.mode == "on":
-        default = spec.initial_drafter or spec.drafters[0]
-        state.drafter = default.name
-        state.k_by_bucket = {label: default.max_speculative_tokens for label in labels}
-        state.canary = None
-        changed = old_table != state.k_by_bucket or old_drafter != state.drafter or old_canary is not None
-        return finish("enable" if changed else "hold", "speculation.mode is on", changed)
-    if not view.pods:
-        return finish("hold", "no ready pods", False)
-    if missing:
-        # Partial data: deciding on the pods that answered could push the others a policy learned from
-        # a different load; keep everything in force until the whole group is seen again.
-        return finish("noData", f"no metrics for pods {', '.join(sorted(missing))}", False)
-
-    # Acceptance per drafter on this resource's traffic in the window. Only drafters measured now are
-    # compared: an older measurement was taken on another traffic mix (trials keep the others fresh).
-    accs: dict[str, pol.Acceptance] = {}
-    for name, d in drafters.items():
-        stats, fallback = _pooled_acceptance_stats(observations, name)
-        accs[name] = pol.acceptance(stats, d.max_speculative_tokens, fallback if fallback.drafts else None)
-
+def drafter_scores(
+    view: ResourceView,
+    accs: Mapping[str, policy.Acceptance],
+    costs: FleetCosts,
+    observations: list[PodObservation],
+) -> dict[str, float]:
+    """Predicted goodput of every drafter measured now, on the resource's batch mix (steps per bucket)."""
     weights: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
             weights[label] = weights.get(label, 0.0) + s.steps_plain + s.steps_spec
-    for name, d in drafters.items():
-        if accs[name].source != "prior":
-            scores[name] = pol.drafter_score(
-                accs[name], costs.cost(view, d), bounds, d.max_speculative_tokens, weights
-            )
+    bounds = tuple(view.spec.speculation.batch_buckets)
+    return {
+        name: policy.drafter_score(accs[name], costs.cost(view, d), bounds, d.max_speculative_tokens, weights)
+        for name, d in {d.name: d for d in view.spec.drafters}.items()
+        if accs[name].source != "prior"
+    }
 
-    # Demotion: a drafter whose MAL at its largest K stays under the floor for a cooldown.
+
+@dataclass(frozen=True)
+class Demotions:
+    demoted: dict[str, float]  # drafter → when it was demoted
+    under_floor_since: dict[str, float]  # drafter → since when its MAL is under the floor
+    notes: list[str]
+
+
+def demotions(
+    drafters: Mapping[str, DrafterSpec],
+    accs: Mapping[str, policy.Acceptance],
+    demoted: Mapping[str, float],
+    under_floor_since: Mapping[str, float],
+    speculation: SpeculationSpec,
+    now: float,
+) -> Demotions:
+    """A drafter whose MAL at its largest K stays under the floor for a cooldown is demoted; a demotion
+    is reconsidered (the drafter tried again) after DEMOTION_TTL_S: traffic changes."""
+    demoted = {name: at for name, at in demoted.items() if now - at < DEMOTION_TTL_S}
+    under = dict(under_floor_since)
     notes: list[str] = []
-    for name in list(state.demoted):
-        if now - state.demoted[name] >= DEMOTION_TTL_S:
-            del state.demoted[name]
     for name, d in drafters.items():
         acc = accs[name]
-        if acc.source == "prior" or name in state.demoted:
+        if acc.source == "prior" or name in demoted:
             continue
-        if acc.tokens(d.max_speculative_tokens) < spc.mal_floor:
-            since = state.under_floor_since.setdefault(name, now)
-            if now - since >= spc.cooldown_seconds:
-                state.demoted[name] = now
-                state.under_floor_since.pop(name, None)
-                notes.append(
-                    f"demoted {name}: MAL {acc.tokens(d.max_speculative_tokens):.2f} < floor {spc.mal_floor}"
-                )
+        mal = acc.tokens(d.max_speculative_tokens)
+        if mal < speculation.mal_floor:
+            since = under.setdefault(name, now)
+            if now - since >= speculation.cooldown_seconds:
+                demoted[name] = now
+                under.pop(name, None)
+                notes.append(f"demoted {name}: MAL {mal:.2f} < floor {speculation.mal_floor}")
         else:
-            state.under_floor_since.pop(name, None)
-
-    # Which drafter: the best measured one, by a margin, after a cooldown; never a demoted one. A demoted
-    # drafter in force gives way at once, to the best measured one or else the best remembered one.
-    rollout: str | None = None
-    state.last_score.update(scores)
-    eligible = {n: sc for n, sc in scores.items() if n not in state.demoted}
-    best: str | None = None
-    if state.drafter in state.demoted:
-        fallback = {n: state.last_score.get(n, 0.0) for n in drafters if n not in state.demoted}
-        pool = eligible or fallback
-        best = max(pool, key=lambda n: pool[n]) if pool else None
-    elif eligible and now - state.last_switch_at >= spc.cooldown_seconds:
-        candidate = max(eligible, key=lambda n: eligible[n])
-        if eligible[candidate] >= eligible.get(state.drafter, 0.0) * (1 + SWITCH_MARGIN):
-            best = candidate
-    if best is not None and best != state.drafter:
-        notes.append(
-            f"drafter {state.drafter}→{best}: predicted gain {state.last_score.get(best, 0.0):.2f} "
-            f"vs {scores.get(state.drafter, 0.0):.2f}"
-        )
-        # The drafter left behind is tried again after one cooldown, not a whole trial period: the
-        # fleet-wide measurement of the new one may disappoint.
-        state.last_trial_at[state.drafter] = now - TRIAL_PERIOD_S + spc.cooldown_seconds
-        if not live_switchable(drafters[best], state.engine_drafter):
-            rollout = best
-            state.engine_drafter = best if drafters[best].placement == "colocated" else None
-        state.drafter = best
-        state.last_switch_at = now
-        state.flipped_at = {}
-        state.k_by_bucket = {label: 0 for label in labels}
-    if state.drafter in state.demoted:
-        # Every drafter demoted: speculation off until a demotion expires and a trial finds one above
-        # the floor.
-        state.k_by_bucket = {label: 0 for label in labels}
-        state.cliff = 1
-        _plan_canary(view, state, accs, costs, observations, now, notes)
-        changed = old_table != state.k_by_bucket or old_canary != state.canary
-        reason = "; ".join(notes) or f"every drafter demoted ({', '.join(sorted(state.demoted))})"
-        return finish("demote" if changed else "hold", reason, changed)
-
-    active = drafters[state.drafter]
-    acc, cost = accs[state.drafter], costs.cost(view, active)
-    max_k = active.max_speculative_tokens
-    choices = pol.choose_table(acc, cost, bounds, max_k)
-    hysteresis = pol.Hysteresis(spc.min_gain, spc.cooldown_seconds)
-    current = {label: min(state.k_by_bucket.get(label, 0), max_k) for label in labels}
-    update = pol.update_table(current, choices, hysteresis, state.flipped_at, now)
-    state.k_by_bucket = update.k_by_bucket
-    state.flipped_at.update(update.flipped)
-    state.cliff = pol.cliff_batch_size(acc, cost, bounds, max_k, spc.min_gain)
-    notes.extend(update.reasons)
-    _plan_canary(view, state, accs, costs, observations, now, notes)
-
-    changed = old_table != state.k_by_bucket or old_drafter != state.drafter or old_canary != state.canary
-    if rollout:
-        action = "rollout"
-    elif old_drafter != state.drafter:
-        action = "switchDrafter"
-    elif any(n.startswith("demoted") for n in notes):
-        action = "demote"
-    else:
-        action = _action(old_table, state.k_by_bucket)
-        if action == "hold" and old_canary != state.canary and state.canary is not None:
-            action = state.canary.purpose
-    if not notes:
-        notes.append(_summary(state, acc))
-    return finish(action, "; ".join(notes), changed, rollout)
+            under.pop(name, None)
+    return Demotions(demoted, under, notes)
 
 
-def _summary(state: ResourceState, acc: pol.Acceptance) -> str:
-    cliff = f"cliff at batch {state.cliff}" if state.cliff else "no cliff up to the largest bucket"
-    return f"{state.drafter}: {cliff}, acceptance {acc.source} α1={acc.alphas[0]:.2f}"
+def better_drafter(
+    current: str,
+    candidates: Iterable[str],
+    scores: Mapping[str, float],
+    last_score: Mapping[str, float],
+    demoted: Mapping[str, float],
+    cooled_down: bool,
+) -> str | None:
+    """The drafter to run instead of `current`, or None to keep it. The best measured one, by
+    SWITCH_MARGIN, once the last switch has cooled down; never a demoted one. A demoted drafter in force
+    gives way at once, to the best measured one or else the best remembered one (`last_score`)."""
+    eligible = {n: s for n, s in scores.items() if n not in demoted}
+    if current in demoted:
+        remembered = {n: last_score.get(n, 0.0) for n in candidates if n not in demoted}
+        pool = eligible or remembered
+        return max(pool, key=lambda n: pool[n]) if pool else None
+    if eligible and cooled_down:
+        best = max(eligible, key=lambda n: eligible[n])
+        if eligible[best] >= eligible.get(current, 0.0) * (1 + SWITCH_MARGIN):
+            return best
+    return None
 
 
-def _plan_canary(
+def k_table(
+    acc: policy.Acceptance,
+    cost: policy.CalibratedCost,
+    max_k: int,
+    current: Mapping[str, int],
+    flipped_at: Mapping[str, float],
+    speculation: SpeculationSpec,
+    now: float,
+) -> tuple[policy.TableUpdate, int | None]:
+    """K per bucket for the drafter in force, with hysteresis against the table in force, and the cliff
+    (the batch size from which no K pays)."""
+    bounds = tuple(speculation.batch_buckets)
+    choices = policy.choose_table(acc, cost, bounds, max_k)
+    hysteresis = policy.Hysteresis(speculation.min_gain, speculation.cooldown_seconds)
+    capped = {label: min(current.get(label, 0), max_k) for label in bucket_labels(bounds)}
+    update = policy.update_table(capped, choices, hysteresis, flipped_at, now)
+    return update, policy.cliff_batch_size(acc, cost, bounds, max_k, speculation.min_gain)
+
+
+def next_canary(
     view: ResourceView,
     state: ResourceState,
-    accs: Mapping[str, pol.Acceptance],
+    accs: Mapping[str, policy.Acceptance],
     costs: FleetCosts,
     observations: list[PodObservation],
     now: float,
-    notes: list[str],
-) -> None:
+) -> tuple[Canary | None, str | None]:
     """Keep measuring what is switched off: one canary pod at a time either tries another drafter
-    (trial) or speculates in the off bucket nearest the cliff that has traffic (explore)."""
-    spc = view.spec.speculation
-    interval = spc.evaluation_interval_seconds
+    (trial) or speculates in the off bucket nearest the cliff that has traffic (explore). Returns the
+    canary for this tick and, for a new one, a note saying what it measures."""
+    speculation = view.spec.speculation
+    interval = speculation.evaluation_interval_seconds
     if state.canary is not None:
         alive = state.canary.pod in view.pods and state.canary.drafter not in state.demoted
         if state.canary.until > now and alive:
-            return
-        state.canary = None
-    if spc.exploration_share <= 0:
-        return
+            return state.canary, None
+    if speculation.exploration_share <= 0:
+        return None, None
     drafters = {d.name: d for d in view.spec.drafters}
     pod = sorted(view.pods)[state.canary_round % len(view.pods)]
     active_score = state.last_score.get(state.drafter, 0.0) if accs[state.drafter].source != "prior" else 0.0
@@ -457,53 +438,234 @@ def _plan_canary(
         if since_trial < TRIAL_PERIOD_S and not (promising and since_trial >= 2 * TRIAL_TICKS * interval):
             continue
         cost = costs.cost(view, d)
-        choices = pol.choose_table(accs[name], cost, spc.batch_buckets, d.max_speculative_tokens)
+        choices = policy.choose_table(accs[name], cost, speculation.batch_buckets, d.max_speculative_tokens)
         # Every bucket with a positive predicted gain, so the trial measures the drafter where it may pay.
         table = {label: (c.k if c.gain >= 1.0 else 0) for label, c in choices.items()}
         if not any(table.values()):
             table = {label: 1 for label in choices}
-        state.canary = Canary(pod, name, table, now + TRIAL_TICKS * interval, "trial")
-        state.last_trial_at[name] = now
-        state.canary_round += 1
-        notes.append(f"trial of drafter {name} on pod {pod}")
-        return
+        canary = Canary(pod, name, table, now + TRIAL_TICKS * interval, "trial")
+        return canary, f"trial of drafter {name} on pod {pod}"
     # Exploration: speculate on the canary in the lowest off bucket that sees traffic but has no
     # speculative step-time measurement; often enough that the canary's share stays near explorationShare.
-    period = EXPLORE_TICKS * interval / (spc.exploration_share * len(view.pods))
+    period = EXPLORE_TICKS * interval / (speculation.exploration_share * len(view.pods))
     if now - state.last_explore_at < max(period, EXPLORE_TICKS * interval):
-        return
+        return None, None
     active = drafters[state.drafter]
     cost = costs.cost(view, active)
     traffic: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
             traffic[label] = traffic.get(label, 0.0) + s.steps_plain
-    for label in bucket_labels(spc.batch_buckets):
-        if state.k_by_bucket.get(label, 0) > 0 or traffic.get(label, 0.0) < pol.MIN_STEPS:
+    for label in bucket_labels(speculation.batch_buckets):
+        if state.k_by_bucket.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
             continue
         if cost.measured_spec(label):
             continue
-        choice = pol.best_k(accs[state.drafter], cost, label, active.max_speculative_tokens)
+        choice = policy.best_k(accs[state.drafter], cost, label, active.max_speculative_tokens)
         table = dict(state.k_by_bucket)
         table[label] = choice.k
-        state.canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
-        state.last_explore_at = now
-        state.canary_round += 1
-        notes.append(f"explore bucket {label} with k={choice.k} on pod {pod}")
-        return
+        canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
+        return canary, f"explore bucket {label} with k={choice.k} on pod {pod}"
+    return None, None
 
 
-def _decision(
+def table_action(old: Mapping[str, int], new: Mapping[str, int]) -> str:
+    """How a K table changed: a bucket switched off, on, a K retuned, or nothing."""
+    on = [b for b in new if new[b] > 0 and old.get(b, 0) == 0]
+    off = [b for b in new if new[b] == 0 and old.get(b, 0) > 0]
+    if off:
+        return "disable"
+    if on:
+        return "enable"
+    return "setK" if dict(old) != dict(new) else "hold"
+
+
+@dataclass(frozen=True)
+class PolicyInForce:
+    """The part of a ResourceState that pods see: a change of it is a new policy version."""
+
+    drafter: str
+    k_by_bucket: dict[str, int]
+    canary: Canary | None
+
+    @classmethod
+    def of(cls, state: ResourceState) -> PolicyInForce:
+        return cls(state.drafter, dict(state.k_by_bucket), state.canary)
+
+
+def policy_changed(old: PolicyInForce, new: PolicyInForce, every_drafter_demoted: bool) -> bool:
+    """Whether pods get a new policy. With every drafter demoted pods speculate nowhere, so only the K
+    table and the canary count."""
+    if every_drafter_demoted:
+        return (new.k_by_bucket, new.canary) != (old.k_by_bucket, old.canary)
+    return new != old
+
+
+def action_name(
+    old: PolicyInForce,
+    new: PolicyInForce,
+    rollout: str | None,
+    demoted_now: bool,
+    every_drafter_demoted: bool,
+) -> str:
+    """The one word a decision is recorded and counted by, the weightiest change first."""
+    if every_drafter_demoted:
+        return "demote" if policy_changed(old, new, every_drafter_demoted) else "hold"
+    if rollout:
+        return "rollout"
+    if old.drafter != new.drafter:
+        return "switchDrafter"
+    if demoted_now:
+        return "demote"
+    action = table_action(old.k_by_bucket, new.k_by_bucket)
+    if action == "hold" and old.canary != new.canary and new.canary is not None:
+        return new.canary.purpose
+    return action
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one decision did, before it is dressed with the measurements it was made on."""
+
+    action: str
+    reason: str
+    changed: bool
+    rollout: str | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+def decide(
+    view: ResourceView, snapshot: FleetSnapshot, state: ResourceState, costs: FleetCosts, now: float
+) -> Decision:
+    """Decide this resource's policy; updates `state` (the desired policy) in place. The steps run in
+    order, each a function above: the mode's override, the data gate, acceptance, scores, demotion, the
+    drafter, the K table, the canary, and the action's name."""
+    drafters = {d.name: d for d in view.spec.drafters}
+    labels = bucket_labels(view.spec.speculation.batch_buckets)
+    observations = [
+        snapshot.pods[(view.namespace, p)] for p in view.pods if (view.namespace, p) in snapshot.pods
+    ]
+    old = PolicyInForce.of(state)
+    forced = forced_policy(view.spec)
+    if forced is not None:
+        state.drafter = forced.drafter or state.drafter
+        state.k_by_bucket, state.canary = forced.k_by_bucket, None
+        changed = PolicyInForce.of(state) != old
+        action = ("enable" if forced.mode == "on" else "disable") if changed else "hold"
+        return _finish(
+            view, state, observations, Outcome(action, f"speculation.mode is {forced.mode}", changed), now
+        )
+    if state.drafter not in drafters:  # removed from the spec: the initial drafter takes over
+        state.drafter = (view.spec.initial_drafter or view.spec.drafters[0]).name
+    waiting = missing_data(view, snapshot)
+    if waiting is not None:
+        return _finish(view, state, observations, Outcome(*waiting, changed=False), now)
+
+    accs = measured_acceptance(drafters, observations)
+    scores = drafter_scores(view, accs, costs, observations)
+    demoted = demotions(drafters, accs, state.demoted, state.under_floor_since, view.spec.speculation, now)
+    state.demoted, state.under_floor_since = demoted.demoted, demoted.under_floor_since
+    state.last_score.update(scores)
+    notes = list(demoted.notes)
+    cooled_down = now - state.last_switch_at >= view.spec.speculation.cooldown_seconds
+    best = better_drafter(state.drafter, drafters, scores, state.last_score, state.demoted, cooled_down)
+    rollout = None
+    if best is not None and best != state.drafter:
+        rollout = _switch_drafter(view, state, drafters[best], scores, notes, now)
+    every_drafter_demoted = state.drafter in state.demoted
+    if every_drafter_demoted:
+        # Speculation off until a demotion expires and a trial finds a drafter above the floor.
+        state.k_by_bucket, state.cliff = {label: 0 for label in labels}, 1
+    else:
+        notes.extend(_retune(view, state, drafters[state.drafter], accs[state.drafter], costs, now))
+    canary, canary_note = next_canary(view, state, accs, costs, observations, now)
+    if canary is not None and canary_note is not None:
+        _started(state, canary, now)
+        notes.append(canary_note)
+    state.canary = canary
+    new = PolicyInForce.of(state)
+    if every_drafter_demoted:
+        reason = "; ".join(notes) or f"every drafter demoted ({', '.join(sorted(state.demoted))})"
+    else:
+        reason = "; ".join(notes) or _summary(state, accs[state.drafter])
+    action = action_name(old, new, rollout, bool(demoted.notes), every_drafter_demoted)
+    outcome = Outcome(action, reason, policy_changed(old, new, every_drafter_demoted), rollout, scores)
+    return _finish(view, state, observations, outcome, now)
+
+
+def _switch_drafter(
     view: ResourceView,
     state: ResourceState,
-    observations: list[PodObservation],
-    action: str,
-    reason: str,
-    changed: bool,
-    rollout: str | None,
-    scores: dict[str, float],
+    best: DrafterSpec,
+    scores: Mapping[str, float],
+    notes: list[str],
     now: float,
+) -> str | None:
+    """Put `best` in force with every bucket off (the K table starts again); returns it if the engines
+    must be restarted for it (a rollout)."""
+    notes.append(
+        f"drafter {state.drafter}→{best.name}: predicted gain {state.last_score.get(best.name, 0.0):.2f} "
+        f"vs {scores.get(state.drafter, 0.0):.2f}"
+    )
+    # The drafter left behind is tried again after one cooldown, not a whole trial period: the
+    # fleet-wide measurement of the new one may disappoint.
+    state.last_trial_at[state.drafter] = now - TRIAL_PERIOD_S + view.spec.speculation.cooldown_seconds
+    rollout = None
+    if not live_switchable(best, state.engine_drafter):
+        rollout = best.name
+        state.engine_drafter = best.name if best.placement == "colocated" else None
+    state.drafter = best.name
+    state.last_switch_at = now
+    state.flipped_at = {}
+    state.k_by_bucket = {label: 0 for label in bucket_labels(view.spec.speculation.batch_buckets)}
+    return rollout
+
+
+def _retune(
+    view: ResourceView,
+    state: ResourceState,
+    active: DrafterSpec,
+    acc: policy.Acceptance,
+    costs: FleetCosts,
+    now: float,
+) -> list[str]:
+    """Put the K table and cliff of the drafter in force (`active`) in `state`; returns what changed, in
+    words."""
+    update, state.cliff = k_table(
+        acc,
+        costs.cost(view, active),
+        active.max_speculative_tokens,
+        state.k_by_bucket,
+        state.flipped_at,
+        view.spec.speculation,
+        now,
+    )
+    state.k_by_bucket = update.k_by_bucket
+    state.flipped_at.update(update.flipped)
+    return update.reasons
+
+
+def _started(state: ResourceState, canary: Canary, now: float) -> None:
+    """Record a new canary's start: the next one goes to the next pod, and the measured drafter (trial)
+    or bucket (explore) is not due again for a while."""
+    state.canary_round += 1
+    if canary.purpose == "trial":
+        state.last_trial_at[canary.drafter] = now
+    else:
+        state.last_explore_at = now
+
+
+def _summary(state: ResourceState, acc: policy.Acceptance) -> str:
+    cliff = f"cliff at batch {state.cliff}" if state.cliff else "no cliff up to the largest bucket"
+    return f"{state.drafter}: {cliff}, acceptance {acc.source} α1={acc.alphas[0]:.2f}"
+
+
+def _finish(
+    view: ResourceView, state: ResourceState, observations: list[PodObservation], outcome: Outcome, now: float
 ) -> Decision:
+    """A new policy version if the policy changed, each pod's target, and the measurements behind it."""
+    if outcome.changed:
+        state.policy_version += 1
     mode = "off" if view.spec.speculation.mode == "off" else "on"
     pods: dict[str, PodTarget] = {}
     for pod in view.pods:
@@ -526,15 +688,15 @@ def _decision(
     utils = [o.gpu_util for o in observations if o.gpu_util is not None]
     pod_batch = {o.pod: o.running for o in observations}
     return Decision(
-        action=action,
-        reason=reason,
-        changed=changed,
+        action=outcome.action,
+        reason=outcome.reason,
+        changed=outcome.changed,
         policy_version=state.policy_version,
         drafter=state.drafter,
         k_by_bucket=dict(state.k_by_bucket),
         cliff=state.cliff,
         pods=pods,
-        rollout_drafter=rollout,
+        rollout_drafter=outcome.rollout,
         fleet_mal={label: round(s.mal, 3) for label, s in by_bucket.items() if s.mal is not None},
         mean_accepted_length=fleet.mal,
         acceptance_rate=(fleet.accepted / fleet.draft_tokens) if fleet.draft_tokens > 0 else None,
@@ -542,7 +704,7 @@ def _decision(
         pod_mal={o.pod: o.mal for o in observations},
         pod_batch=pod_batch,
         pod_drafter={o.pod: o.drafter for o in observations},
-        scores=scores,
+        scores=outcome.scores,
         demoted=tuple(sorted(state.demoted)),
     )
 

@@ -4,14 +4,16 @@ A decode step that verifies `n` tokens for each of `B` sequences reads every wei
 sequence's KV cache once, and does about 2·params FLOPs per token; it takes the longer of the two
 (memory or compute) plus a fixed per-step overhead. Speculation adds the drafter's time.
 
-GPU figures: H200 bandwidth and FLOP rate are the ones measured on an H200 (DESIGN §9: about 4.3 TB/s
-of the 4.8 TB/s datasheet, about 790 TFLOP/s dense bf16). H100 shares the H200's compute silicon, so
-it takes the same FLOP rate, and its 3.35 TB/s datasheet bandwidth scaled by the same 4.3/4.8 ratio.
+GPU figures (docs/policy.md, "Step time: a roofline prior, calibrated by measurement"): H200 bandwidth
+and FLOP rate are the ones measured on an H200 (about 4.3 TB/s of the 4.8 TB/s datasheet, about
+790 TFLOP/s dense bf16). H100 shares the H200's compute silicon, so it takes the same FLOP rate, and its
+3.35 TB/s datasheet bandwidth scaled by the same 4.3/4.8 ratio.
 No GPU calibration run was possible in this session; see benchmarks/results/controller.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -133,11 +135,13 @@ DRAFTER_COSTS: dict[str, DrafterCost] = {
 }
 
 
-def drafter_cost(method: str) -> DrafterCost:
+def drafter_cost(method: str, parallel_drafting: bool = False) -> DrafterCost:
+    """The method's draft cost; with parallel drafting (P-EAGLE) the head drafts all K in one pass."""
     try:
-        return DRAFTER_COSTS[method]
+        cost = DRAFTER_COSTS[method]
     except KeyError:
         raise ValueError(f"drafters[].method: unknown method {method!r}") from None
+    return dataclasses.replace(cost, kind="parallel") if parallel_drafting else cost
 
 
 @dataclass(frozen=True)

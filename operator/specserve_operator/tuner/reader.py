@@ -17,8 +17,8 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
-from specserve_engine import metric_names as mn
-from specserve_operator.tuner import observations as ob
+from specserve_engine import metric_names
+from specserve_operator.tuner import observations
 
 POD = "namespace, pod"
 
@@ -39,9 +39,9 @@ def engine_query(window_s: float) -> str:
     """Steps, step seconds and output tokens per pod, bucket and speculating-or-not."""
     w, by = _window(window_s), f"{POD}, bucket, speculating"
     parts = [
-        _tagged(ob.STEPS, _increase(mn.ENGINE_STEPS.series[0], by, w)),
-        _tagged(ob.STEP_SECONDS, _increase(mn.ENGINE_STEP_SECONDS.series[0], by, w)),
-        _tagged(ob.TOKENS, _increase(mn.ENGINE_GENERATED_TOKENS.series[0], by, w)),
+        _tagged(observations.STEPS, _increase(metric_names.ENGINE_STEPS.series[0], by, w)),
+        _tagged(observations.STEP_SECONDS, _increase(metric_names.ENGINE_STEP_SECONDS.series[0], by, w)),
+        _tagged(observations.TOKENS, _increase(metric_names.ENGINE_GENERATED_TOKENS.series[0], by, w)),
     ]
     return " or ".join(parts)
 
@@ -52,11 +52,17 @@ def spec_query(window_s: float) -> str:
     w = _window(window_s)
     by, by_pos = f"{POD}, bucket, drafter", f"{POD}, drafter, position"
     parts = [
-        _tagged(ob.DRAFTS, _increase(mn.SPEC_DRAFTS.series[0], by, w)),
-        _tagged(ob.DRAFT_TOKENS, _increase(mn.SPEC_DRAFT_TOKENS.series[0], by, w)),
-        _tagged(ob.ACCEPTED, _increase(mn.SPEC_ACCEPTED_TOKENS.series[0], by, w)),
-        _tagged(ob.ACCEPTED_POS, _increase(mn.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0], by_pos, w)),
-        _tagged(ob.PROPOSED_POS, _increase(mn.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], by_pos, w)),
+        _tagged(observations.DRAFTS, _increase(metric_names.SPEC_DRAFTS.series[0], by, w)),
+        _tagged(observations.DRAFT_TOKENS, _increase(metric_names.SPEC_DRAFT_TOKENS.series[0], by, w)),
+        _tagged(observations.ACCEPTED, _increase(metric_names.SPEC_ACCEPTED_TOKENS.series[0], by, w)),
+        _tagged(
+            observations.ACCEPTED_POS,
+            _increase(metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0], by_pos, w),
+        ),
+        _tagged(
+            observations.PROPOSED_POS,
+            _increase(metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], by_pos, w),
+        ),
     ]
     return " or ".join(parts)
 
@@ -65,10 +71,11 @@ def state_query() -> str:
     """The policy each sidecar has in force, requests running, GPU utilisation (DCGM, where present)."""
     parts = [
         _tagged(
-            ob.POLICY_INFO, f"max by ({POD}, drafter, mode, policy_version) ({mn.SIDECAR_POLICY_INFO.name})"
+            observations.POLICY_INFO,
+            f"max by ({POD}, drafter, mode, policy_version) ({metric_names.SIDECAR_POLICY_INFO.name})",
         ),
-        _tagged(ob.RUNNING, f"sum by ({POD}) ({mn.VLLM_REQUESTS_RUNNING})"),
-        _tagged(ob.GPU_UTIL, f"avg by ({POD}) ({mn.DCGM_GPU_UTIL})"),
+        _tagged(observations.RUNNING, f"sum by ({POD}) ({metric_names.VLLM_REQUESTS_RUNNING})"),
+        _tagged(observations.GPU_UTIL, f"avg by ({POD}) ({metric_names.DCGM_GPU_UTIL})"),
     ]
     return " or ".join(parts)
 
@@ -77,9 +84,9 @@ def fallback_query(window_s: float) -> str:
     """vLLM's own spec-decode counters (no buckets): the fallback for pods without the plugin."""
     w = _window(window_s)
     parts = [
-        _tagged(ob.VLLM_DRAFTS, _increase(mn.VLLM_SPEC_DRAFTS, POD, w)),
-        _tagged(ob.VLLM_DRAFT_TOKENS, _increase(mn.VLLM_SPEC_DRAFT_TOKENS, POD, w)),
-        _tagged(ob.VLLM_ACCEPTED, _increase(mn.VLLM_SPEC_ACCEPTED_TOKENS, POD, w)),
+        _tagged(observations.VLLM_DRAFTS, _increase(metric_names.VLLM_SPEC_DRAFTS, POD, w)),
+        _tagged(observations.VLLM_DRAFT_TOKENS, _increase(metric_names.VLLM_SPEC_DRAFT_TOKENS, POD, w)),
+        _tagged(observations.VLLM_ACCEPTED, _increase(metric_names.VLLM_SPEC_ACCEPTED_TOKENS, POD, w)),
     ]
     return " or ".join(parts)
 
@@ -97,11 +104,11 @@ class MetricsUnavailable(Exception):
         self.reason = reason
 
 
-def parse_vector(result: object) -> list[ob.Row]:
+def parse_vector(result: object) -> list[observations.Row]:
     """Rows from an instant-vector result; anything else raises MetricsUnavailable."""
     if not isinstance(result, list):
         raise MetricsUnavailable("PrometheusGarbage", f"expected a vector, got {type(result).__name__}")
-    rows: list[ob.Row] = []
+    rows: list[observations.Row] = []
     for item in result:
         try:
             labels = dict(item["metric"])
@@ -141,7 +148,7 @@ class PrometheusReader:
             )
         return self._client
 
-    def query(self, promql: str) -> list[ob.Row]:
+    def query(self, promql: str) -> list[observations.Row]:
         self.queries += 1
         try:
             result = self._connect().custom_query(promql)
@@ -161,17 +168,17 @@ class PrometheusReader:
             ) from exc
         return parse_vector(result)
 
-    def read(self) -> ob.FleetSnapshot:
+    def read(self) -> observations.FleetSnapshot:
         """One snapshot of the whole fleet behind this Prometheus."""
         started = time.perf_counter()
         # Hundreds of thousands of small dicts: the cyclic collector would rescan them many times over.
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            rows: list[ob.Row] = []
+            rows: list[observations.Row] = []
             for promql in fleet_queries(self.window_s):
                 rows.extend(self.query(promql))
-            snapshot = ob.build_snapshot(rows, self.window_s)
+            snapshot = observations.build_snapshot(rows, self.window_s)
         finally:
             if gc_was_enabled:
                 gc.enable()

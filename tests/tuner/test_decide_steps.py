@@ -1,0 +1,271 @@
+"""The steps of `core.decide`, each on its own: the mode's override, the data gate, acceptance, scores,
+demotion, the drafter choice, the K table, the canary, the action's name, and the pooled step costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve_operator.tuner import core, policy
+from specserve_operator.tuner.observations import FleetSnapshot, build_snapshot
+from specserve_operator.tuner.policy import MIN_STEPS
+
+NS = "ml"
+
+
+def view_of(spec, pods=("pod-a", "pod-b")) -> core.ResourceView:
+    return core.ResourceView(NS, "llm", spec, tuple(pods))
+
+
+def acceptance(alpha: float, source: str = "measured", max_k: int = 4) -> policy.Acceptance:
+    return policy.Acceptance((alpha,) * max_k, source, 1000.0)
+
+
+def loads_at_prior(bucket_load, prior, k: int = 3) -> dict:
+    """Plain and speculative steps in three buckets, each as fast as the prior predicts."""
+    return {
+        label: bucket_load(
+            batch=batch,
+            steps_plain=1000,
+            step_s_plain=prior.step_s(batch, 0),
+            steps_spec=1000,
+            step_s_spec=prior.step_s(batch, k),
+            k=k,
+        )
+        for label, batch in (("4", 3.0), ("16", 12.0), ("64", 48.0))
+    }
+
+
+def test_the_mode_forces_a_policy_only_when_it_is_not_auto(spec_factory) -> None:
+    off = core.forced_policy(spec_factory(speculation__mode="off"))
+    on = core.forced_policy(spec_factory(speculation__mode="on"))
+    assert off is not None and (off.mode, off.drafter, set(off.k_by_bucket.values())) == ("off", None, {0})
+    assert on is not None and (on.mode, on.drafter, set(on.k_by_bucket.values())) == ("on", "draft", {4})
+    assert core.forced_policy(spec_factory(speculation__mode="auto")) is None
+
+
+def test_nothing_is_decided_without_every_pods_metrics(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    loads = {"4": bucket_load(batch=3.0, steps_plain=1000, step_s_plain=0.01)}
+    one = build_snapshot(rows_for(NS, "pod-a", "draft", loads), 300.0)
+    both = build_snapshot(
+        rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads), 300.0
+    )
+    assert core.missing_data(view_of(spec, pods=()), both) == ("hold", "no ready pods")
+    assert core.missing_data(view_of(spec), one) == ("noData", "no metrics for pods pod-b")
+    assert core.missing_data(view_of(spec), both) is None
+
+
+def test_acceptance_is_measured_per_drafter_and_a_prior_without_drafts(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
+    snap = build_snapshot(rows_for(NS, "pod-a", "draft", loads, alphas=(0.6,) * 8), 300.0)
+    accs = core.measured_acceptance({d.name: d for d in spec.drafters}, list(snap.pods.values()))
+    assert accs["draft"].source == "measured"
+    assert accs["draft"].alphas[:3] == pytest.approx((0.6, 0.6, 0.6))
+    assert accs["ngram"].source == "prior"
+
+
+def test_only_measured_drafters_are_scored_and_the_better_scores_higher(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
+    snap = build_snapshot(rows_for(NS, "pod-a", "draft", loads), 300.0)
+    observations = list(snap.pods.values())
+    costs = core.FleetCosts([view], snap)
+    assert set(
+        core.drafter_scores(
+            view, {"draft": acceptance(0.8), "ngram": acceptance(0.8, "prior")}, costs, observations
+        )
+    ) == {"draft"}
+    good = core.drafter_scores(
+        view, {"draft": acceptance(0.9), "ngram": acceptance(0.9)}, costs, observations
+    )
+    poor = core.drafter_scores(
+        view, {"draft": acceptance(0.3), "ngram": acceptance(0.3)}, costs, observations
+    )
+    assert good["draft"] > poor["draft"] > 0
+
+
+def test_a_drafter_under_the_floor_is_demoted_after_the_cooldown_and_reconsidered_later(spec_factory) -> None:
+    spec = spec_factory(speculation__malFloor=1.5)
+    drafters = {d.name: d for d in spec.drafters}
+    cooldown = spec.speculation.cooldown_seconds
+    accs = {"draft": acceptance(0.1), "ngram": acceptance(0.9)}
+    first = core.demotions(drafters, accs, {}, {}, spec.speculation, now=0.0)
+    assert (first.demoted, first.under_floor_since, first.notes) == ({}, {"draft": 0.0}, [])
+    later = core.demotions(drafters, accs, {}, first.under_floor_since, spec.speculation, now=cooldown)
+    assert later.demoted == {"draft": cooldown} and later.under_floor_since == {}
+    assert later.notes == ["demoted draft: MAL 1.11 < floor 1.5"]
+    expired = core.demotions(
+        drafters,
+        {"draft": acceptance(0.9), "ngram": acceptance(0.9)},
+        later.demoted,
+        {},
+        spec.speculation,
+        now=cooldown + core.DEMOTION_TTL_S,
+    )
+    assert expired.demoted == {}
+    # Back above the floor before the cooldown: the clock restarts.
+    recovered = core.demotions(
+        drafters,
+        {"draft": acceptance(0.9), "ngram": acceptance(0.9)},
+        {},
+        {"draft": 0.0},
+        spec.speculation,
+        1.0,
+    )
+    assert recovered.under_floor_since == {}
+
+
+def test_a_better_drafter_needs_a_margin_and_a_cooled_down_switch() -> None:
+    names = ["a", "b", "c"]
+    assert core.better_drafter("a", names, {"a": 1.0, "b": 1.2}, {}, {}, cooled_down=True) == "b"
+    assert core.better_drafter("a", names, {"a": 1.0, "b": 1.04}, {}, {}, cooled_down=True) is None
+    assert core.better_drafter("a", names, {"a": 1.0, "b": 1.2}, {}, {}, cooled_down=False) is None
+    assert core.better_drafter("a", names, {"a": 1.0, "b": 1.2}, {}, {"b": 0.0}, cooled_down=True) is None
+
+
+def test_a_demoted_drafter_in_force_gives_way_at_once() -> None:
+    names = ["a", "b", "c"]
+    demoted = {"a": 0.0}
+    # To the best measured one, even within the cooldown...
+    assert core.better_drafter("a", names, {"b": 1.1, "c": 1.3}, {}, demoted, cooled_down=False) == "c"
+    # ...else to the best remembered one...
+    assert core.better_drafter("a", names, {}, {"b": 1.5, "c": 1.2}, demoted, cooled_down=False) == "b"
+    # ...and to none when every drafter is demoted.
+    assert core.better_drafter("a", names, {}, {}, {"a": 0.0, "b": 0.0, "c": 0.0}, cooled_down=True) is None
+
+
+def test_the_k_table_turns_on_where_speculation_pays_and_finds_the_cliff(spec_factory) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    cost = core.FleetCosts([view], FleetSnapshot(window_s=300.0)).cost(view, spec.drafters[0])
+    labels = policy.bucket_labels(spec.speculation.batch_buckets)
+    off = dict.fromkeys(labels, 0)
+    update, cliff = core.k_table(acceptance(0.8), cost, 4, off, {}, spec.speculation, now=0.0)
+    assert update.k_by_bucket[labels[0]] > 0 and set(update.flipped) <= set(labels)
+    assert cliff is None or cliff > 1
+    assert all(r.startswith("bucket ") for r in update.reasons)
+    # A bucket flipped within the cooldown keeps its state (hysteresis).
+    held, _ = core.k_table(acceptance(0.8), cost, 4, off, {labels[0]: 0.0}, spec.speculation, now=1.0)
+    assert held.k_by_bucket[labels[0]] == 0
+    # A K above the drafter's maximum is capped first.
+    capped, _ = core.k_table(acceptance(0.8), cost, 2, dict.fromkeys(labels, 9), {}, spec.speculation, 0.0)
+    assert max(capped.k_by_bucket.values()) <= 2
+
+
+def test_a_canary_tries_a_drafter_not_measured_for_a_trial_period(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
+    snap = build_snapshot(
+        rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads), 300.0
+    )
+    accs = {"draft": acceptance(0.8), "ngram": acceptance(0.8, "prior")}
+    canary, note = core.next_canary(
+        view, state, accs, core.FleetCosts([view], snap), list(snap.pods.values()), 0.0
+    )
+    assert canary is not None and (canary.pod, canary.drafter, canary.purpose) == ("pod-a", "ngram", "trial")
+    assert note == "trial of drafter ngram on pod pod-a" and any(canary.k_by_bucket.values())
+    assert state.canary is None  # the step only proposes; decide records it
+    # A live canary is kept; with no exploration share, none is started.
+    state.canary = canary
+    kept, note = core.next_canary(view, state, accs, core.FleetCosts([view], snap), [], 1.0)
+    assert (kept, note) == (canary, None)
+    quiet = view_of(spec_factory(speculation__explorationShare=0.0))
+    state.canary = None
+    assert core.next_canary(quiet, state, accs, core.FleetCosts([quiet], snap), [], 0.0) == (None, None)
+
+
+def test_a_canary_explores_an_off_bucket_with_traffic_and_no_measurement(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    prior = view.prior(spec.drafters[0])
+    loads = loads_at_prior(bucket_load, prior)
+    loads["128"] = bucket_load(batch=100, steps_plain=5 * MIN_STEPS, step_s_plain=prior.step_s(100, 0))
+    snap = build_snapshot(
+        rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads), 300.0
+    )
+    costs = core.FleetCosts([view], snap)
+    state.k_by_bucket = {label: (3 if label in ("4", "16", "64") else 0) for label in state.k_by_bucket}
+    canary, note = core.next_canary(
+        view, state, {"draft": acceptance(0.8)}, costs, list(snap.pods.values()), 0.0
+    )
+    assert canary is not None and canary.purpose == "explore" and canary.drafter == "draft"
+    assert canary.k_by_bucket["128"] > 0 and note is not None and note.startswith("explore bucket 128")
+    assert {k: v for k, v in canary.k_by_bucket.items() if k != "128"} == {
+        k: v for k, v in state.k_by_bucket.items() if k != "128"
+    }
+
+
+def test_a_table_change_is_named_by_its_weightiest_bucket_change() -> None:
+    assert core.table_action({"1": 2, "2": 0}, {"1": 0, "2": 3}) == "disable"
+    assert core.table_action({"1": 2, "2": 0}, {"1": 2, "2": 3}) == "enable"
+    assert core.table_action({"1": 2}, {"1": 3}) == "setK"
+    assert core.table_action({"1": 2}, {"1": 2}) == "hold"
+
+
+def test_the_action_names_the_weightiest_change() -> None:
+    table = {"1": 2, "2": 2}
+    old = core.PolicyInForce("a", table, None)
+    trial = core.Canary("pod-a", "b", table, 100.0, "trial")
+    assert core.action_name(old, core.PolicyInForce("b", table, None), "b", False, False) == "rollout"
+    assert core.action_name(old, core.PolicyInForce("b", table, None), None, True, False) == "switchDrafter"
+    assert core.action_name(old, core.PolicyInForce("a", table, None), None, True, False) == "demote"
+    assert (
+        core.action_name(old, core.PolicyInForce("a", {"1": 2, "2": 0}, None), None, False, False)
+        == "disable"
+    )
+    assert core.action_name(old, core.PolicyInForce("a", table, trial), None, False, False) == "trial"
+    assert core.action_name(old, old, None, False, False) == "hold"
+    # Every drafter demoted: a demotion if pods get a new policy, else a hold.
+    zeros = {"1": 0, "2": 0}
+    assert core.action_name(old, core.PolicyInForce("a", zeros, None), None, False, True) == "demote"
+    assert core.action_name(old, old, None, False, True) == "hold"
+
+
+def test_with_every_drafter_demoted_only_the_table_and_canary_change_the_policy() -> None:
+    old = core.PolicyInForce("a", {"1": 0}, None)
+    assert core.policy_changed(old, core.PolicyInForce("b", {"1": 0}, None), every_drafter_demoted=False)
+    assert not core.policy_changed(old, core.PolicyInForce("b", {"1": 0}, None), every_drafter_demoted=True)
+    assert core.policy_changed(old, core.PolicyInForce("a", {"1": 1}, None), every_drafter_demoted=True)
+
+
+def test_a_drafter_without_speculative_steps_borrows_its_siblings_excess(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    draft, ngram = spec.drafters
+    prior = view.prior(draft)
+    slow = loads_at_prior(bucket_load, prior)
+    for label, load in slow.items():  # speculative steps twice as slow as the prior predicts
+        slow[label] = bucket_load(
+            batch=load.batch,
+            steps_plain=load.steps_plain,
+            step_s_plain=load.step_s_plain,
+            steps_spec=load.steps_spec,
+            step_s_spec=2 * load.step_s_spec,
+            k=load.k,
+        )
+    snap = build_snapshot(rows_for(NS, "pod-a", "draft", slow) + rows_for(NS, "pod-b", "draft", slow), 300.0)
+    costs = core.FleetCosts([view], snap)
+    measured = costs.cost(view, draft)
+    assert measured.spec_excess == pytest.approx(2.0, rel=0.05)
+    borrowed = costs.cost(view, ngram)  # never ran: no speculative steps of its own
+    assert not borrowed.spec_ratio and borrowed.ratio("4", 3) == pytest.approx(2.0, rel=0.05)
+    alone = core.FleetCosts([view], FleetSnapshot(window_s=300.0)).cost(view, ngram)
+    assert alone.ratio("4", 3) == pytest.approx(1.0)
+    assert costs.cost(view, ngram) is borrowed  # one calibration per group per tick
