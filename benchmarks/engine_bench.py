@@ -30,9 +30,8 @@ from specserve_engine.api import SidecarDrafter
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.client import SidecarClient
 from specserve_engine.draft_protocol import DEADLINE_ENV, SOCKET_NAME
-from specserve_engine.launch import EngineProcess, EngineSpec, start_engines
+from specserve_engine.launch import EngineProcess, EngineSpec, SidecarProcess, start_engines, start_sidecar
 from specserve_engine.policy_file import PodPolicy, write_policy
-from specserve_engine.server import SidecarProcess, start_sidecar
 from specserve_engine.vllm_plugins.proposer import DraftClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,10 +157,11 @@ def measure_rtt(
     tokens = rng.integers(0, 512, (rows, length + calls + 1), dtype=np.int32)
     lengths = np.full(rows, length, np.int32)
     sampled = [[1]] * rows
+    req_ids = [f"req-{i}" for i in range(rows)]
     rtts = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        client.propose(sampled, lengths, tokens)
+        client.propose(MAX_K, sampled, req_ids, lengths, tokens)
         rtts.append((time.perf_counter() - t0) * 1000)
         lengths += 1
     client.close()

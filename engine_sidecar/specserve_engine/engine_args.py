@@ -1,10 +1,13 @@
 """The engine container's command line: `vllm serve` arguments for a model and its drafter.
 
 The operator renders pods from `build_engine_args`, the local fleet and the tests start engines with it,
-so every engine runs with the same plugins (DESIGN §4):
+so every engine runs with the same plugins (docs/engine-pod.md#what-runs-inside-vllm):
 
 - `--scheduler-cls` = specserve's live-policy scheduler: it re-reads `policy.json` in the runtime dir and
   rebuilds vLLM's dynamic-SD table (K per batch size, 0 = off) between two steps, with no restart;
+- `--worker-cls` = vLLM's worker whose model runner runs a K = 0 step as a plain step (no draft work,
+  nothing verified) and gives each step's K to every drafter, the sidecar's proposer included
+  (vllm_plugins/plain_step.py); only engines with a drafter;
 - `--enable-logging-iteration-details` gives the stat-logger plugin the exact composition of each step
   (its batch size); `--disable-log-stats` stops vLLM's own per-interval log lines (its Prometheus
   metrics stay);
@@ -31,13 +34,13 @@ COLOCATED_METHODS: dict[str, str] = {
     "ngram": "ngram",
     "suffix": "suffix",
 }
-# Methods whose vLLM proposer asserts K == num_speculative_tokens: no dynamic-SD table; the live-policy
-# scheduler trims their drafts instead (the draft compute stays at the maximum K).
-FIXED_K_METHODS = frozenset({"medusa", "suffix"})
+# EAGLE-style heads vLLM drafts in parallel (P-EAGLE: one forward pass for all K tokens) on request.
+PARALLEL_DRAFTING_METHODS = frozenset({"eagle3", "eagle"})
 # Methods that need a checkpoint (`source`); mtp reuses the target's own layers when none is given.
 SOURCE_REQUIRED = frozenset({"eagle3", "eagle", "medusa", "draftModel"})
 SIDECAR_PROPOSER = "specserve_engine.vllm_plugins.proposer.SidecarProposer"
 LIVE_POLICY_SCHEDULER = "specserve_engine.vllm_plugins.live_policy.LivePolicyScheduler"
+PLAIN_STEP_WORKER = "specserve_engine.vllm_plugins.plain_step.PlainStepWorker"
 # Key of specserve's block inside vLLM's --additional-config; read back by the plugins.
 ADDITIONAL_CONFIG_KEY = "specserve"
 # n-gram prompt lookup window (vLLM defaults both ends to 5, which misses short repeats).
@@ -50,16 +53,38 @@ def speculative_config(
 ) -> dict | None:
     """vLLM's --speculative-config for a drafter (None = no speculation).
 
-    Colocated drafters get their vLLM method with K = maxSpeculativeTokens and an initial per-batch-size
-    schedule (K everywhere), so the engine starts in dynamic-SD mode and the live-policy scheduler can
-    change the table later. Sidecar-hosted drafters (`sidecar`, `separateGpu`) all go through one
-    `custom_class` proposer that asks the sidecar for drafts.
+    Every drafter gets K = maxSpeculativeTokens and an initial per-batch-size schedule (K everywhere), so
+    the engine starts in dynamic-SD mode and the live-policy scheduler can change the table later.
+    Colocated drafters run as their vLLM method; sidecar-hosted drafters (`sidecar`, `separateGpu`) all go
+    through one `custom_class` proposer that asks the sidecar for drafts.
     """
     if drafter is None:
         return None
+    if drafter.parallel_drafting and (
+        drafter.method not in PARALLEL_DRAFTING_METHODS or drafter.placement != "colocated"
+    ):
+        raise ValueError(
+            f"drafters[{drafter.name}].parallelDrafting: only for colocated "
+            f"{', '.join(sorted(PARALLEL_DRAFTING_METHODS))} drafters"
+        )
     k = drafter.max_speculative_tokens
+    if max_num_seqs < 1:
+        raise ValueError(f"maxNumSeqs: must be at least 1, got {max_num_seqs}")
+    full_k = PodPolicy(
+        policy_version=0,
+        drafter=drafter.name,
+        mode="on",
+        k_by_bucket={label: k for label in bucket_labels(bucket_bounds)},
+        bucket_bounds=tuple(bucket_bounds),
+    )
+    table = [list(r) for r in full_k.schedule(max_num_seqs)]
     if drafter.placement != "colocated":
-        return {"method": "custom_class", "model": SIDECAR_PROPOSER, "num_speculative_tokens": k}
+        return {
+            "method": "custom_class",
+            "model": SIDECAR_PROPOSER,
+            "num_speculative_tokens": k,
+            "num_speculative_tokens_per_batch_size": table,
+        }
     method = COLOCATED_METHODS.get(drafter.method)
     if method is None:
         raise ValueError(
@@ -68,23 +93,18 @@ def speculative_config(
         )
     if drafter.method in SOURCE_REQUIRED and not drafter.source:
         raise ValueError(f"drafters[{drafter.name}].source: method {drafter.method} needs a checkpoint path")
-    if max_num_seqs < 1:
-        raise ValueError(f"maxNumSeqs: must be at least 1, got {max_num_seqs}")
-    config: dict = {"method": method, "num_speculative_tokens": k}
+    config: dict = {
+        "method": method,
+        "num_speculative_tokens": k,
+        "num_speculative_tokens_per_batch_size": table,
+    }
+    if drafter.parallel_drafting:
+        config["parallel_drafting"] = True
     if drafter.source and method not in ("ngram", "suffix"):
         config["model"] = drafter.source
     if method == "ngram":
         config["prompt_lookup_min"] = min(NGRAM_LOOKUP_MIN, k)
         config["prompt_lookup_max"] = NGRAM_LOOKUP_MAX
-    if drafter.method not in FIXED_K_METHODS:
-        full_k = PodPolicy(
-            policy_version=0,
-            drafter=drafter.name,
-            mode="on",
-            k_by_bucket={label: k for label in bucket_labels(bucket_bounds)},
-            bucket_bounds=tuple(bucket_bounds),
-        )
-        config["num_speculative_tokens_per_batch_size"] = [list(r) for r in full_k.schedule(max_num_seqs)]
     return config
 
 
@@ -135,7 +155,7 @@ def build_engine_args(
     ]
     spec = speculative_config(drafter, bucket_bounds, max_num_seqs)
     if spec is not None:
-        args += ["--speculative-config", json.dumps(spec)]
+        args += ["--speculative-config", json.dumps(spec), "--worker-cls", PLAIN_STEP_WORKER]
     return args + list(extra_args)
 
 

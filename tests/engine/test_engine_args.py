@@ -11,6 +11,7 @@ from specserve_engine.api import SidecarDrafter
 from specserve_engine.engine_args import (
     ADDITIONAL_CONFIG_KEY,
     LIVE_POLICY_SCHEDULER,
+    PLAIN_STEP_WORKER,
     SIDECAR_PROPOSER,
     build_engine_args,
     speculative_config,
@@ -39,6 +40,8 @@ def test_no_drafter_means_no_speculation() -> None:
         ("mtp", "mtp"),
         ("draftModel", "draft_model"),
         ("ngram", "ngram"),
+        ("medusa", "medusa"),
+        ("suffix", "suffix"),
     ],
 )
 def test_colocated_methods_start_with_a_full_k_schedule(method: str, vllm_method: str) -> None:
@@ -64,16 +67,16 @@ def test_model_based_methods_carry_the_checkpoint_and_ngram_does_not() -> None:
     assert ngram["prompt_lookup_min"] <= ngram["prompt_lookup_max"]
 
 
-@pytest.mark.parametrize("method", ["medusa", "suffix"])
-def test_fixed_k_methods_get_no_table(method: str) -> None:
-    config = speculative_config(drafter(method), BOUNDS, 8)
-    assert "num_speculative_tokens_per_batch_size" not in config
-
-
 @pytest.mark.parametrize("placement", ["sidecar", "separateGpu"])
 def test_sidecar_hosted_drafters_use_the_custom_class_proposer(placement: str) -> None:
     config = speculative_config(drafter("selfSpeculative", placement, k=5, source=None), BOUNDS, 8)
-    assert config == {"method": "custom_class", "model": SIDECAR_PROPOSER, "num_speculative_tokens": 5}
+    # With a table like colocated drafters: the step's K reaches the proposer, K = 0 steps skip it.
+    assert config == {
+        "method": "custom_class",
+        "model": SIDECAR_PROPOSER,
+        "num_speculative_tokens": 5,
+        "num_speculative_tokens_per_batch_size": [[1, 1, 5], [2, 2, 5], [3, 4, 5], [5, 8, 5]],
+    }
 
 
 def test_self_speculation_cannot_run_colocated() -> None:
@@ -116,12 +119,14 @@ def test_argv_carries_the_plugins_and_extra_args_last() -> None:
         ADDITIONAL_CONFIG_KEY: {"drafter": "d-ngram", "runtimeDir": "/run/specserve", "bucketBounds": BOUNDS}
     }
     assert json.loads(_flag(args, "--speculative-config"))["method"] == "ngram"
+    assert _flag(args, "--worker-cls") == PLAIN_STEP_WORKER
     assert args[-1] == "--enforce-eager"
 
 
 def test_argv_without_drafter_has_no_speculative_config() -> None:
     args = _args(drafter=None)
     assert "--speculative-config" not in args
+    assert "--worker-cls" not in args  # nothing to skip: vLLM's own worker
     assert json.loads(_flag(args, "--additional-config"))[ADDITIONAL_CONFIG_KEY]["drafter"] is None
 
 
@@ -143,6 +148,7 @@ def test_vllm_accepts_the_argv_and_the_schedule() -> None:
     ns = parser.parse_args(["--model", *_args()])
     engine_args = EngineArgs.from_cli_args(ns)
     assert engine_args.scheduler_cls == LIVE_POLICY_SCHEDULER
+    assert engine_args.worker_cls == PLAIN_STEP_WORKER
     assert engine_args.enable_logging_iteration_details
     assert engine_args.additional_config[ADDITIONAL_CONFIG_KEY]["drafter"] == "d-ngram"
     spec = engine_args.speculative_config

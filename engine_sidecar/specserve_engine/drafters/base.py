@@ -1,6 +1,11 @@
 """What every sidecar drafter is: given sequences (whole token arrays, identified by a key and an epoch),
 return up to K draft tokens for each. Drafters keep per-sequence state (an index, a KV cache) keyed by
-`Seq.key` and rebuild it whenever the epoch changes, so each step costs only the tokens that are new."""
+`Seq.key` and rebuild it whenever the epoch changes, so each step costs only the tokens that are new.
+
+A sequence may bring many new tokens at once: a long prompt, or the tokens of a stretch of K = 0 steps
+when speculation resumes. A drafter takes in at most `catch_up_tokens` of a sequence's new tokens per call
+and drafts nothing for it until it has caught up, so one 32K-token row costs a bounded share of each call
+and the other rows keep their drafts."""
 
 from __future__ import annotations
 
@@ -18,10 +23,11 @@ class Seq:
 
 
 class Drafter(ABC):
-    def __init__(self, name: str, method: str, max_k: int) -> None:
+    def __init__(self, name: str, method: str, max_k: int, catch_up_tokens: int) -> None:
         self.name = name
         self.method = method
         self.max_k = max_k
+        self.catch_up_tokens = catch_up_tokens  # new tokens of one sequence taken in per call
 
     def load(self) -> None:  # noqa: B027 - light drafters have nothing to load
         """Heavy set-up (weights), run in a background thread before the drafter takes traffic."""

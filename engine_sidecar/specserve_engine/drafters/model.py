@@ -26,8 +26,9 @@ class ModelDrafter(Drafter):
         path: str,
         num_layers: int | None = None,
         device: str = "cpu",
+        catch_up_tokens: int = 512,
     ) -> None:
-        super().__init__(name, method, max_k)
+        super().__init__(name, method, max_k, catch_up_tokens)
         self.path = path
         self.num_layers = num_layers
         self.device = device
@@ -48,8 +49,11 @@ class ModelDrafter(Drafter):
         out: list[list[int]] = [[] for _ in seqs]
         caches: list[KVCache | None] = [None] * len(seqs)
         for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
-            if k > 0:  # K = 0: nothing to do now; the cache catches up on the next step that drafts
-                caches[i], logits = self._catch_up(model, seq)
+            if k <= 0:  # K = 0: nothing to do now; the cache catches up on the next step that drafts
+                continue
+            caught_up = self._catch_up(model, seq)
+            if caught_up is not None:
+                caches[i], logits = caught_up
                 out[i].append(int(logits.argmax()))
         lengths = [len(s.tokens) for s in seqs]
         while True:
@@ -62,8 +66,9 @@ class ModelDrafter(Drafter):
             for r, i in enumerate(rows):
                 out[i].append(int(logits[r].argmax()))
 
-    def _catch_up(self, model: TinyLlama, seq: Seq) -> tuple[KVCache, torch.Tensor]:
-        """Feed the sequence's new tokens into its cache; the logits after its last token."""
+    def _catch_up(self, model: TinyLlama, seq: Seq) -> tuple[KVCache, torch.Tensor] | None:
+        """Feed the sequence's new tokens (at most catch_up_tokens of them) into its cache; the logits after
+        its last token, or None while it is still catching up."""
         state = self._states.get(seq.key)
         if state is None or state.epoch != seq.epoch or state.cache.length > len(seq.tokens):
             state = self._states[seq.key] = _State(seq.epoch, model.new_cache())
@@ -71,10 +76,11 @@ class ModelDrafter(Drafter):
         length = len(seq.tokens)
         if cache.length == length:  # nothing new: recompute the last token to get its logits
             cache.length -= 1
-        new = torch.from_numpy(seq.tokens[cache.length :].astype("int64")).to(model.device)
+        end = min(length, cache.length + self.catch_up_tokens)
+        new = torch.from_numpy(seq.tokens[cache.length : end].astype("int64")).to(model.device)
         logits = model.forward(new, cache, cache.length)
-        cache.length = length  # speculative entries past here are overwritten next step
-        return cache, logits
+        cache.length = end  # speculative entries past here are overwritten next step
+        return (cache, logits) if end == length else None
 
     def forget(self, connection: int) -> None:
         for key in [k for k in self._states if k[0] == connection]:

@@ -18,8 +18,10 @@ class _Index:
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, name: str, max_k: int, min_n: int = 1, max_n: int = 4) -> None:
-        super().__init__(name, "ngram", max_k)
+    def __init__(
+        self, name: str, max_k: int, min_n: int = 1, max_n: int = 4, catch_up_tokens: int = 4096
+    ) -> None:
+        super().__init__(name, "ngram", max_k, catch_up_tokens)
         self.min_n = min_n
         self.max_n = max_n
         self._index: dict[tuple[int, int], _Index] = {}
@@ -33,13 +35,13 @@ class NgramDrafter(Drafter):
             idx = self._index[seq.key] = _Index(seq.epoch)
         toks = idx.tokens
         # Index each n-gram ending just before a token we now know follows it.
-        for t in seq.tokens[len(toks) :].tolist():
+        for t in seq.tokens[len(toks) : len(toks) + self.catch_up_tokens].tolist():
             end = len(toks)
             for n in range(self.min_n, self.max_n + 1):
                 if end >= n:
                     idx.after[tuple(toks[end - n : end])] = end
             toks.append(t)
-        if k <= 0:
+        if k <= 0 or len(toks) < len(seq.tokens):  # nothing wanted, or still catching up
             return []
         for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
             pos = idx.after.get(tuple(toks[len(toks) - n :]))

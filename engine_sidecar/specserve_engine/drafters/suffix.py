@@ -28,8 +28,9 @@ class SuffixDrafter(Drafter):
         max_n: int = 8,
         min_prob: float = 0.1,
         max_contexts: int = 2_000_000,
+        catch_up_tokens: int = 2048,
     ) -> None:
-        super().__init__(name, "suffix", max_k)
+        super().__init__(name, "suffix", max_k, catch_up_tokens)
         self.min_n = min_n
         self.max_n = max_n
         self.min_prob = min_prob
@@ -40,29 +41,34 @@ class SuffixDrafter(Drafter):
     def draft(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
         return [self._draft_one(s, k) for s, k in zip(seqs, ks, strict=True)]
 
-    def _count(self, seq: Seq) -> list[int]:
+    def _count(self, seq: Seq) -> list[int] | None:
+        """Count the sequence's new tokens (at most catch_up_tokens of them); its last max_n tokens, or
+        None while it is still catching up."""
         cur = self._cursors.get(seq.key)
         if cur is None or cur.epoch != seq.epoch or cur.indexed > len(seq.tokens):
             cur = self._cursors[seq.key] = _Cursor(seq.epoch, 0, [])
-        if len(self._next) > self.max_contexts:
-            self._next.clear()  # bounded memory: start learning afresh
         tail = cur.tail
-        for t in seq.tokens[cur.indexed :].tolist():
+        new = seq.tokens[cur.indexed : cur.indexed + self.catch_up_tokens].tolist()
+        for t in new:
             for n in range(self.min_n, min(self.max_n, len(tail)) + 1):
                 ctx = tuple(tail[len(tail) - n :])
                 counter = self._next.get(ctx)
                 if counter is None:
+                    if len(self._next) >= self.max_contexts:
+                        self._next.clear()  # bounded memory, checked where it grows: start learning afresh
                     counter = self._next[ctx] = Counter()
                 counter[t] += 1
             tail.append(t)
             if len(tail) > self.max_n:
                 del tail[0]
-        cur.indexed = len(seq.tokens)
-        return list(tail)
+        cur.indexed += len(new)
+        return list(tail) if cur.indexed == len(seq.tokens) else None
 
     def _draft_one(self, seq: Seq, k: int) -> list[int]:
         context = self._count(seq)
         out: list[int] = []
+        if context is None:
+            return out
         while len(out) < k:
             nxt = self._predict(context)
             if nxt is None:

