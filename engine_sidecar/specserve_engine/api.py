@@ -1,4 +1,4 @@
-"""The sidecar control API's wire models (DESIGN §6): the operator's only way into a pod.
+"""The sidecar control API's wire models (docs/sidecar.md#control-api): the operator's only way into a pod.
 
 The operator imports these models and `specserve_engine.client`; both sides validate with them.
 """
@@ -89,6 +89,9 @@ class SidecarDrafter(_Wire):
     placement: Placement
     # selfSpeculative only: how many of the target's first decoder layers draft (default: a quarter).
     layers: int | None = Field(default=None, ge=1)
+    # Colocated eagle3/eagle only: vLLM's parallel drafting (P-EAGLE). Left out of the JSON when off, so
+    # configs (and the pod hash) of every other drafter stay as they were.
+    parallel_drafting: bool = Field(default=False, alias="parallelDrafting", exclude_if=lambda on: not on)
 
 
 class SidecarConfig(_Wire):

@@ -6,12 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specserve_operator import runner
+from specserve_operator import runner, status_cli
 from specserve_operator.api import crd
 from specserve_operator.local import cli as local_cli
 from specserve_operator.simulator import cli as simulate_cli
 
-SUBCOMMANDS = (runner, crd, local_cli, simulate_cli)
+SUBCOMMANDS = (runner, status_cli, crd, local_cli, simulate_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,11 @@
 A small aiohttp client rather than a generated one: the operator needs five verbs on a handful of kinds,
 all as plain dicts (what the pure renderers produce). Credentials come from the pod's service account
 in the cluster, else from the kubeconfig (KUBECONFIG or ~/.kube/config), as kopf itself does.
+
+Ownership (docs/architecture.md): the operator writes and deletes only objects whose ownerReferences name
+its resource's uid. `apply`, `create_if_absent` and `delete` read the object first and raise
+OwnershipConflict, changing nothing, where a same-named object belongs to someone else; the uid they
+checked rides along as a precondition, so an object replaced in between is not touched either.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,39 @@ class KubeError(Exception):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+
+
+def owner_uids(obj: Mapping[str, Any]) -> set[str]:
+    return {ref.get("uid", "") for ref in (obj.get("metadata") or {}).get("ownerReferences") or []}
+
+
+def controller_uid(body: Mapping[str, Any]) -> str:
+    """The uid of the owner `body` is written for (its controller ownerReference)."""
+    refs = (body.get("metadata") or {}).get("ownerReferences") or []
+    uid = next((ref.get("uid") for ref in refs if ref.get("controller")), None)
+    if not uid:
+        raise ValueError(f"{body.get('kind')} {body['metadata'].get('name')}: no controller ownerReference")
+    return uid
+
+
+def describe_owners(obj: Mapping[str, Any]) -> str:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    if not refs:
+        return "it has no owner reference"
+    return "it is owned by " + ", ".join(f"{ref.get('kind')} {ref.get('name')}" for ref in refs)
+
+
+class OwnershipConflict(KubeError):
+    """A same-named object that another owner (or nobody) holds: the operator leaves it alone."""
+
+    def __init__(self, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        self.kind = str(obj.get("kind") or "object")
+        self.name = str(meta.get("name"))
+        self.namespace = meta.get("namespace")
+        super().__init__(
+            409, f"{self.kind} {self.name} exists and is not owned by this resource ({describe_owners(obj)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -165,49 +204,52 @@ class KubeApi:
         )
 
     async def apply(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Create or patch to exactly `body` (server-side apply: fields dropped from `body` are removed).
-
-        Falls back to a create where the server answers 404 (fake API servers without apply)."""
+        """Create `body`, or patch the object its owner already owns to exactly `body` (server-side
+        apply: fields dropped from `body` are removed). The owner is `body`'s controller ownerReference;
+        a same-named object it does not own raises OwnershipConflict and is left as it is."""
+        existing, created = await self.create_if_absent(body)
+        if created:
+            return existing
         meta = body["metadata"]
-        path = object_path(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
-        try:
-            return await self._request(
-                "PATCH",
-                path,
-                body=body,
-                content_type="application/apply-patch+yaml",
-                params={"fieldManager": FIELD_MANAGER, "force": "true"},
-            )
-        except KubeError as exc:
-            if exc.status != 404:
-                raise
-        return await self.create(body)
-
-    async def create_if_absent(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """The existing object, or a new one from `body`; True when it was created now."""
-        meta = body["metadata"]
-        existing = await self.get(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
-        if existing is not None:
-            return existing, False
-        try:
-            return await self.create(body), True
-        except KubeError as exc:
-            if exc.status != 409:  # another operator replica won the race: theirs stands
-                raise
-        existing = await self.get(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
-        if existing is None:
-            raise KubeError(409, f"{body['kind']} {meta['name']} conflicted and then vanished")
-        return existing, False
-
-    async def merge_patch(
-        self, api_version: str, kind: str, namespace: str | None, name: str, patch: dict[str, Any]
-    ) -> dict[str, Any]:
+        # The uid create_if_absent checked is a precondition: an object re-made since is not patched.
+        guarded = {**body, "metadata": {**meta, "uid": existing["metadata"]["uid"]}}
         return await self._request(
             "PATCH",
-            object_path(api_version, kind, namespace, name),
-            body=patch,
-            content_type="application/merge-patch+json",
+            object_path(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"]),
+            body=guarded,
+            content_type="application/apply-patch+yaml",
+            # Forcing takes fields over from other managers, only ever on an object this owner holds.
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
         )
+
+    async def create_if_absent(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The existing object its owner (`body`'s controller ownerReference) holds, or a new one from
+        `body`; True when it was created now. Another's object raises OwnershipConflict."""
+        meta = body["metadata"]
+        uid = controller_uid(body)
+        existing = await self.get(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
+        if existing is None:
+            try:
+                return await self.create(body), True
+            except KubeError as exc:
+                if exc.status != 409:  # another operator replica won the race: theirs stands
+                    raise
+            existing = await self.get(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
+            if existing is None:
+                raise KubeError(409, f"{body['kind']} {meta['name']} conflicted and then vanished")
+        if uid not in owner_uids(existing):
+            raise OwnershipConflict(existing)
+        return existing, False
+
+    async def ownership_conflicts(self, bodies: list[dict[str, Any]]) -> list[OwnershipConflict]:
+        """One conflict per existing same-named object that `bodies`' owner does not hold (read only)."""
+        conflicts = []
+        for body in bodies:
+            meta = body["metadata"]
+            existing = await self.get(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"])
+            if existing is not None and controller_uid(body) not in owner_uids(existing):
+                conflicts.append(OwnershipConflict({"kind": body["kind"], **existing}))
+        return conflicts
 
     async def patch_status(
         self, api_version: str, kind: str, namespace: str | None, name: str, status: dict[str, Any]
@@ -220,9 +262,23 @@ class KubeApi:
             content_type="application/merge-patch+json",
         )
 
-    async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+    async def delete(
+        self, api_version: str, kind: str, namespace: str | None, name: str, *, owner_uid: str
+    ) -> bool:
+        """Delete the object if `owner_uid` owns it; False when there is none. Another's object raises
+        OwnershipConflict and stays."""
+        existing = await self.get(api_version, kind, namespace, name)
+        if existing is None:
+            return False
+        if owner_uid not in owner_uids(existing):
+            raise OwnershipConflict(existing)
+        options = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "preconditions": {"uid": existing["metadata"]["uid"]},
+        }
         try:
-            await self._request("DELETE", object_path(api_version, kind, namespace, name))
+            await self._request("DELETE", object_path(api_version, kind, namespace, name), body=options)
         except KubeError as exc:
             if exc.status == 404:
                 return False

@@ -1,9 +1,12 @@
 """kopf handlers that deploy a SpeculativeServing: thin glue between kopf, the renderers and kube.py.
 
 create / update / resume all run one idempotent `reconcile`: validate, render, create-or-patch every child
-(adopted with an owner reference), write status. A restarted operator re-runs it on resume and finds its
+(with an owner reference), write status. A restarted operator re-runs it on resume and finds its
 children by name, so it creates no duplicates. An invalid resource gets Invalid=True and a Warning Event
-naming the field, and nothing is created or changed. Deployment events keep phase and Ready current.
+naming the field, and nothing is created or changed. A child's name taken by an object the resource does
+not own gives Conflict=True and a Warning Event naming that object, and nothing is created, changed or
+deleted (docs/runbook.md); the reconcile retries until the name is free. Deployment events keep phase
+and Ready current.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import kopf
 from pydantic import ValidationError
@@ -27,11 +30,14 @@ from specserve_operator.api.models import (
     name_error,
     parse_spec,
 )
-from specserve_operator.kube import KubeApi, KubeError, connection_from_environment
+from specserve_operator.kube import KubeApi, KubeError, OwnershipConflict, connection_from_environment
 from specserve_operator.render import children as render
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": "specserve-operator"}
 RETRY_DELAY_S = 15
+# A conflict lasts until a person moves the other object away: look again now and then.
+CONFLICT_RETRY_S = 60
+SECRETS_HINT = "add this namespace to the chart's operator.secretNamespaces, see docs/install.md"
 
 
 def render_options_from_env(env: dict[str, str] | None = None) -> render.RenderOptions:
@@ -46,6 +52,7 @@ def render_options_from_env(env: dict[str, str] | None = None) -> render.RenderO
     defaults = render.RenderOptions()
     return render.RenderOptions(
         s3_image=env.get("SPECSERVE_S3_IMAGE", defaults.s3_image),
+        engine_image=env.get("SPECSERVE_ENGINE_IMAGE") or None,
         hf_token_secret=env.get("SPECSERVE_HF_TOKEN_SECRET") or None,
         s3_credentials_secret=env.get("SPECSERVE_S3_CREDENTIALS_SECRET") or None,
         service_monitor_labels=labels,
@@ -117,8 +124,11 @@ async def reconcile(
     if problem is None:
         try:
             parsed = parse_spec(dict(spec))
+            render.engine_image(parsed, memo.options)
         except ValidationError as exc:
             problem = describe_error(exc)
+        except ValueError as exc:
+            problem = str(exc)
     if problem is not None:
         kopf.warn(body, reason="Invalid", message=problem)
         patch.status["phase"] = "Failed"
@@ -138,19 +148,34 @@ async def reconcile(
             name, namespace, running, options=options, service_monitor_available=monitor_api
         )
         kopf.append_owner_reference(children, owner=body)
+        secrets = []
         if render.has_sidecar(running):
-            secret = render.build_secret(name, namespace, render.new_control_token())
-            kopf.append_owner_reference(secret, owner=body)
-            await kube.create_if_absent(secret)  # the token is made once and never rotated
+            secrets = [render.build_secret(name, namespace, render.new_control_token())]
+            kopf.append_owner_reference(secrets, owner=body)
+        # All or nothing: a pod whose Secret or ConfigMap is someone else's must not start.
+        conflicts = await kube.ownership_conflicts(secrets + children)
         applied = {}
-        for child in children:
-            applied[child["kind"]] = await kube.apply(child)
-        if monitor_api and not any(c["kind"] == "ServiceMonitor" for c in children):
-            await kube.delete(
-                "monitoring.coreos.com/v1", "ServiceMonitor", namespace, render.names(name)["service_monitor"]
-            )
+        if not conflicts:
+            for secret in secrets:
+                await kube.create_if_absent(secret)  # the token is made once and never rotated
+            for child in children:
+                applied[child["kind"]] = await kube.apply(child)
+            if monitor_api and not any(c["kind"] == "ServiceMonitor" for c in children):
+                # a ServiceMonitor of this name that is not ours is not ours to remove either
+                with contextlib.suppress(OwnershipConflict):
+                    await kube.delete(
+                        "monitoring.coreos.com/v1",
+                        "ServiceMonitor",
+                        namespace,
+                        render.names(name)["service_monitor"],
+                        owner_uid=meta["uid"],
+                    )
+    except OwnershipConflict as exc:  # made between the check and the write
+        conflicts = [exc]
     except KubeError as exc:
         message = f"applying children failed: {exc}"
+        if exc.status == 403 and "secrets" in exc.message:
+            message += f" (Secrets are granted per namespace: {SECRETS_HINT})"
         kopf.warn(body, reason="ApplyFailed", message=message)
         conditions = st.merge_conditions(
             old_conditions,
@@ -163,6 +188,8 @@ async def reconcile(
         with contextlib.suppress(KubeError):
             await kube.patch_status(API_VERSION, KIND, namespace, name, {"conditions": conditions})
         raise kopf.TemporaryError(message, delay=RETRY_DELAY_S) from exc
+    if conflicts:
+        await _report_conflicts(body, kube, namespace, name, old_conditions, generation, conflicts)
 
     kinds = ", ".join(applied)
     deployment_status = applied["Deployment"].get("status")
@@ -175,6 +202,7 @@ async def reconcile(
         old_conditions,
         [
             st.condition(st.INVALID, False, "ValidSpec", generation=generation),
+            st.condition(st.CONFLICT, False, "NoConflict", generation=generation),
             st.condition(st.DEPLOYED, True, "Applied", f"applied {kinds}", generation=generation),
             *st.deployment_conditions(parsed.replicas, deployment_status, generation),
         ],
@@ -183,22 +211,61 @@ async def reconcile(
     logger.info("applied %s", kinds)
 
 
+async def _report_conflicts(
+    body: kopf.Body,
+    kube: KubeApi,
+    namespace: str,
+    name: str,
+    old_conditions: Any,
+    generation: int | None,
+    conflicts: list[OwnershipConflict],
+) -> NoReturn:
+    """Conflict=True naming each foreign object, a Warning Event per object when that changes, and a
+    retry later (nothing was written to any child)."""
+    message = "; ".join(c.message for c in conflicts) + ". Nothing was changed (see docs/runbook.md)."
+    was = st.get_condition(old_conditions, st.CONFLICT)
+    if not (was and was.get("status") == "True" and was.get("message") == message):
+        for conflict in conflicts:
+            kopf.warn(body, reason="Conflict", message=f"{conflict.message}: the operator leaves it alone")
+    conditions = st.merge_conditions(
+        old_conditions,
+        [
+            st.condition(st.INVALID, False, "ValidSpec", generation=generation),
+            st.condition(st.CONFLICT, True, "ForeignObject", message, generation=generation),
+            st.condition(st.DEPLOYED, False, "Conflict", message, generation=generation),
+        ],
+    )
+    # kopf drops a failing handler's patch, so the conditions are written here
+    with contextlib.suppress(KubeError):
+        await kube.patch_status(API_VERSION, KIND, namespace, name, {"conditions": conditions})
+    raise kopf.TemporaryError(message, delay=CONFLICT_RETRY_S)
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def delete_children(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Delete the children now (a cluster's garbage collector would too, through the owner references;
-    doing it here keeps deletion prompt and works where no collector runs)."""
+    """Delete the children this resource owns now (a cluster's garbage collector would too, through the
+    owner references; doing it here keeps deletion prompt and works where no collector runs). A
+    same-named object it does not own stays, with a Warning Event."""
     kube: KubeApi = memo.kube
     names = render.names(name)
-    for api_version, kind, key in (
-        ("apps/v1", "Deployment", "deployment"),
-        ("v1", "Service", "service"),
-        ("policy/v1", "PodDisruptionBudget", "pdb"),
-        ("v1", "ConfigMap", "config_map"),
-        ("v1", "Secret", "secret"),
-    ):
-        await kube.delete(api_version, kind, namespace, names[key])
+    children = [
+        ("apps/v1", "Deployment", names["deployment"]),
+        ("v1", "Service", names["service"]),
+        ("policy/v1", "PodDisruptionBudget", names["pdb"]),
+        ("v1", "ConfigMap", names["config_map"]),
+        ("v1", "Secret", names["secret"]),
+    ]
     if await kube.has_resource("monitoring.coreos.com/v1", "servicemonitors"):
-        await kube.delete("monitoring.coreos.com/v1", "ServiceMonitor", namespace, names["service_monitor"])
+        children.append(("monitoring.coreos.com/v1", "ServiceMonitor", names["service_monitor"]))
+    for api_version, kind, child in children:
+        try:
+            await kube.delete(api_version, kind, namespace, child, owner_uid=body.metadata.uid)
+        except OwnershipConflict as exc:
+            kopf.warn(body, reason="Conflict", message=f"{exc.message}: left in place")
+        except KubeError as exc:
+            # No Secret access here (docs/install.md): the operator cannot have made a Secret either.
+            if not (kind == "Secret" and exc.status == 403):
+                raise
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
@@ -207,7 +274,11 @@ async def deployment_changed(
 ) -> None:
     """Mirror the Deployment's progress into the owner's phase, replicas and Ready condition."""
     owner = next(
-        (r for r in body.metadata.get("ownerReferences", []) if r.get("apiVersion") == API_VERSION),
+        (
+            r
+            for r in body.metadata.get("ownerReferences", [])
+            if r.get("apiVersion") == API_VERSION and r.get("kind") == KIND
+        ),
         None,
     )
     if owner is None or type == "DELETED":
@@ -216,6 +287,8 @@ async def deployment_changed(
     parent = await kube.get(API_VERSION, KIND, namespace, owner["name"])
     if parent is None or parent.get("metadata", {}).get("deletionTimestamp"):
         return
+    if parent.get("metadata", {}).get("uid") != owner.get("uid"):
+        return  # a same-named Deployment of an earlier resource, or one that only claims to be ours
     parent_status = parent.get("status") or {}
     if st.is_true(parent_status.get("conditions"), st.INVALID):
         return

@@ -1,6 +1,6 @@
 """Pure helpers for the resource's status: Kubernetes-style conditions and the phase.
 
-Used by the deploy handlers (Deployed, Ready, Invalid) and by the controller (MetricsAvailable,
+Used by the deploy handlers (Deployed, Ready, Invalid) and by the tuner (MetricsAvailable,
 SpeculationHealthy, ...): any condition type works the same way.
 """
 
@@ -14,6 +14,8 @@ from typing import Any
 DEPLOYED = "Deployed"
 READY = "Ready"
 INVALID = "Invalid"
+# True while a same-named object the resource does not own blocks one of its children (nothing is written).
+CONFLICT = "Conflict"
 
 
 def now_rfc3339(now: datetime | None = None) -> str:

@@ -117,7 +117,9 @@ def test_rbac_is_least_privilege() -> None:
             assert "*" not in verbs and group != "*" and resource != "*", (group, resource)
     assert main[("specserve.io", "speculativeservings")] == {"get", "list", "watch", "patch"}
     assert main[("specserve.io", "speculativeservings/status")] == {"patch"}
-    assert main[("", "secrets")] == {"get", "create", "delete"}
+    # no Secrets cluster-wide: only Roles in operator.secretNamespaces grant them (none by default)
+    assert ("", "secrets") not in main and ("", "secrets") not in cluster
+    assert not find(objects, "Role")
     assert main[("", "events")] == {"create"}
     assert cluster[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
     assert cluster[("apiextensions.k8s.io", "customresourcedefinitions")] == {"list", "watch"}
@@ -136,12 +138,15 @@ def test_rbac_is_least_privilege() -> None:
 
 def test_watched_namespaces_get_role_bindings_and_namespaced_peerings() -> None:
     objects = render(values=[CHART / "ci" / "namespaced-values.yaml"])
-    bindings = find(objects, "RoleBinding")
+    bindings = [b for b in find(objects, "RoleBinding") if b["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["inference", "research"]
     assert all(
         b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "specserve"}
         for b in bindings
     )
+    # Secrets through a Role in each watched namespace (tests/chart/test_rbac_matches_code.py)
+    secret_roles = find(objects, "Role", "specserve-secrets")
+    assert sorted(r["metadata"]["namespace"] for r in secret_roles) == ["inference", "research"]
     # The namespaced permissions are not granted cluster-wide.
     assert [b["roleRef"]["name"] for b in find(objects, "ClusterRoleBinding")] == ["specserve-cluster"]
     peerings = find(objects, "KopfPeering")
@@ -382,10 +387,11 @@ def test_install_guide_documents_every_value() -> None:
             assert f"`{dotted}" in guide or (sub and f"`{top}.*`" in guide) or f"{top}.*" in guide, dotted
 
 
+# A generated CRD's CEL rule can hold one long unbreakable word (a regular expression): allowed as a value.
 YAMLLINT_CONFIG = """
 extends: default
 rules:
-  line-length: {max: 150}
+  line-length: {max: 150, allow-non-breakable-inline-mappings: true}
   document-start: disable
   truthy: {check-keys: false}
   comments: {min-spaces-from-content: 1}

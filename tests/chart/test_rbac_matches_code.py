@@ -1,7 +1,8 @@
 """The chart's RBAC grants exactly what the operator's code uses: the API calls its handlers make (run
 here with a recording API client on every example resource), the resources its kopf handlers watch and
 patch, and kopf's own needs (peering, CRD and namespace discovery, events). A permission the code does
-not use, or a call the chart does not permit, fails the test."""
+not use, or a call the chart does not permit, fails the test. Secrets are granted only by Roles in
+listed namespaces, never by a ClusterRole (docs/install.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import kopf
 import pytest
 import yaml
-from chart.helm import REPO, find, render
+from chart.helm import CI_VALUES, REPO, find, render
 
 from specserve_operator import reconciler, runner
 from specserve_operator.kube import Connection, KubeApi
@@ -29,22 +30,27 @@ KOPF_DISCOVERY: set[Permission] = {
 }
 PEERING_VERBS = ("get", "list", "watch", "patch")
 MODES = {
-    "cluster-wide": ([], {("kopf.dev", "clusterkopfpeerings", v) for v in PEERING_VERBS}),
+    "cluster-wide": (
+        ["--set", "operator.secretNamespaces={ml}"],
+        {("kopf.dev", "clusterkopfpeerings", v) for v in PEERING_VERBS},
+    ),
     "namespaced": (
         ["--set", "operator.watchNamespaces={inference,research}"],
         {("kopf.dev", "kopfpeerings", v) for v in PEERING_VERBS},
     ),
-    "standalone": (["--set", "peering.enabled=false"], set()),
+    "standalone": (["--set", "peering.enabled=false", "--set", "operator.secretNamespaces={ml}"], set()),
 }
 PATH = re.compile(r"^/(?:api|apis/(?P<group>[^/]+))/(?P<version>v[^/]+)(?:/namespaces/[^/]+)?/(?P<rest>.+)$")
 
 
 class RecordingKube(KubeApi):
-    """A KubeApi that answers like an empty cluster with the Prometheus Operator, and records every call."""
+    """A KubeApi that answers like a cluster with the Prometheus Operator, holding what is created in
+    memory (so a later call finds it, as the operator's ownership checks need), and records every call."""
 
     def __init__(self) -> None:
         super().__init__(Connection(server="http://recording.invalid"))
         self.permissions: set[Permission] = set()
+        self.objects: dict[str, dict[str, Any]] = {}
 
     async def _request(
         self, method: str, path: str, *, body: Any = None, content_type: str = "", **_: Any
@@ -58,14 +64,20 @@ class RecordingKube(KubeApi):
         if verb is None:
             verb = "get" if len(parts) >= 2 else "list"
         self.permissions.add((group, resource, verb))
-        if content_type == "application/apply-patch+yaml":  # server-side apply creates what is missing
-            self.permissions.add((group, resource, "create"))
+        if method == "POST":
+            stored = {**body, "metadata": {"uid": f"uid-{len(self.objects)}", **body["metadata"]}}
+            self.objects[f"{path}/{body['metadata']['name']}"] = stored
+            return stored
+        if method == "DELETE":
+            self.objects.pop(path, None)
         if method == "GET" and len(parts) >= 2:
             if parts[0] == "speculativeservings":  # the owner a Deployment event refers to
-                return {"metadata": {"name": parts[1]}, "status": {"observedGeneration": 1}}
-            from specserve_operator.kube import KubeError
+                return {"metadata": {"name": parts[1], "uid": "u-1"}, "status": {"observedGeneration": 1}}
+            if path not in self.objects:
+                from specserve_operator.kube import KubeError
 
-            raise KubeError(404, "not found")
+                raise KubeError(404, "not found")
+            return self.objects[path]
         return body or {}
 
 
@@ -88,17 +100,18 @@ async def _exercise_handlers(kube: RecordingKube, monkeypatch: pytest.MonkeyPatc
     for resource in _examples():
         meta = {"namespace": "ml", "uid": "u-1", "generation": 1, **resource["metadata"]}
         body = kopf.Body({**resource, "metadata": meta})
-        await reconciler.reconcile(
-            body=body,
-            spec=body.spec,
-            name=meta["name"],
-            namespace=meta["namespace"],
-            meta=body.metadata,
-            status=body.status,
-            patch=kopf.Patch(),
-            memo=memo,
-            logger=logger,
-        )
+        for _ in range(2):  # the first reconcile creates the children, the second patches them
+            await reconciler.reconcile(
+                body=body,
+                spec=body.spec,
+                name=meta["name"],
+                namespace=meta["namespace"],
+                meta=body.metadata,
+                status=body.status,
+                patch=kopf.Patch(),
+                memo=memo,
+                logger=logger,
+            )
         await reconciler.delete_children(name=meta["name"], namespace=meta["namespace"], body=body, memo=memo)
         deployment = kopf.Body(
             {
@@ -107,7 +120,14 @@ async def _exercise_handlers(kube: RecordingKube, monkeypatch: pytest.MonkeyPatc
                 "metadata": {
                     "name": meta["name"],
                     "namespace": meta["namespace"],
-                    "ownerReferences": [{"apiVersion": reconciler.API_VERSION, "name": meta["name"]}],
+                    "ownerReferences": [
+                        {
+                            "apiVersion": reconciler.API_VERSION,
+                            "kind": reconciler.KIND,
+                            "name": meta["name"],
+                            "uid": "u-1",
+                        }
+                    ],
                 },
                 "spec": {"replicas": 2},
                 "status": {"replicas": 2, "readyReplicas": 1},
@@ -144,8 +164,10 @@ def _watched_by_kopf() -> set[Permission]:
 
 
 def _granted(*args: str) -> set[Permission]:
+    """What the chart's ClusterRoles and Roles grant, in any namespace."""
+    objects = render(*args)
     granted: set[Permission] = set()
-    for role in find(render(*args), "ClusterRole"):
+    for role in find(objects, "ClusterRole") + find(objects, "Role"):
         for rule in role["rules"]:
             granted |= {
                 (g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
@@ -154,8 +176,8 @@ def _granted(*args: str) -> set[Permission]:
 
 
 def _static_calls() -> set[Permission]:
-    """`kube.<verb>("apiVersion", "Kind", ...)` calls anywhere in the operator (the controller's, say)."""
-    verbs = {"get": "get", "list": "list", "create": "create", "apply": "patch", "merge_patch": "patch"}
+    """`kube.<verb>("apiVersion", "Kind", ...)` calls anywhere in the operator (the tuner's, say)."""
+    verbs = {"get": "get", "list": "list", "create": "create", "apply": "patch"}
     verbs |= {"patch_status": "patch", "delete": "delete"}
     from specserve_operator.kube import PLURALS
 
@@ -163,6 +185,8 @@ def _static_calls() -> set[Permission]:
     found: set[Permission] = set()
     for path in (REPO / "operator").rglob("*.py"):
         if "local" in path.relative_to(REPO / "operator").parts:  # the local fleet runs no cluster
+            continue
+        if path.name == "status_cli.py":  # `specserve status` reads as the user (kubeconfig), not the chart
             continue
         for method, api_version, kind in call.findall(path.read_text()):
             group = api_version.rpartition("/")[0]
@@ -188,9 +212,58 @@ def test_recording_client_sees_calls() -> None:
     kube = RecordingKube()
     asyncio.run(kube.list("v1", "Pod", "ml"))
     asyncio.run(kube.patch_status(reconciler.API_VERSION, "SpeculativeServing", "ml", "x", {}))
-    asyncio.run(kube.delete("apps/v1", "Deployment", "ml", "x"))
+    asyncio.run(kube.get("apps/v1", "Deployment", "ml", "x"))
     assert kube.permissions == {
         ("", "pods", "list"),
         ("specserve.io", "speculativeservings/status", "patch"),
-        ("apps", "deployments", "delete"),
+        ("apps", "deployments", "get"),
     }
+
+
+SECRET_RULE_MODES = {
+    "default": [],
+    **{mode: args for mode, (args, _) in MODES.items()},
+    **{path.name: ["-f", str(path)] for path in CI_VALUES},
+}
+
+
+@pytest.mark.parametrize("mode", SECRET_RULE_MODES)
+def test_no_cluster_role_grants_secrets(mode: str) -> None:
+    """Secrets only through Roles, each in one listed namespace and bound to the operator alone."""
+    objects = render(*SECRET_RULE_MODES[mode])
+    for role in find(objects, "ClusterRole"):
+        for rule in role["rules"]:
+            assert not ({"", "*"} & set(rule["apiGroups"]) and {"secrets", "*"} & set(rule["resources"])), (
+                role["metadata"]["name"],
+                rule,
+            )
+    for role in find(objects, "Role"):
+        if any("secrets" in rule["resources"] for rule in role["rules"]):
+            assert role["rules"] == [
+                {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]}
+            ]
+
+
+@pytest.mark.parametrize(
+    ("args", "namespaces"),
+    [
+        ([], []),
+        (["--set", "operator.secretNamespaces={ml,research}"], ["ml", "research"]),
+        (["--set", "operator.watchNamespaces={inference}"], ["inference"]),
+        (
+            ["--set", "operator.watchNamespaces={inference}", "--set", "operator.secretNamespaces={ml}"],
+            ["inference"],
+        ),
+    ],
+)
+def test_secrets_are_granted_only_in_the_listed_namespaces(args: list[str], namespaces: list[str]) -> None:
+    objects = render(*args)
+    roles = [r for r in find(objects, "Role") if r["metadata"]["name"] == "specserve-secrets"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == namespaces
+    bindings = [b for b in find(objects, "RoleBinding") if b["roleRef"]["kind"] == "Role"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == namespaces
+    for binding in bindings:
+        assert binding["roleRef"]["name"] == "specserve-secrets"
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "specserve", "namespace": "specserve"}
+        ]

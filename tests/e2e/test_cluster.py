@@ -1,6 +1,8 @@
 """End to end on a real cluster (e.g. kind): apply the CRD, run the operator, apply examples, check the
-children and the rejections. Runs only where KUBECONFIG is set; the pods need GPUs to run, so only the
-objects are checked, not the pods.
+children and the rejections. Runs only where KUBECONFIG is set. The GPU examples' pods cannot run on a
+laptop, so for them only the objects are checked; where the CPU engine image (the Dockerfile's
+engine-cpu target, SPECSERVE_E2E_ENGINE_IMAGE) is on the nodes, the laptop example's pods run too and
+serve a completion (docs/quickstart-kind.md).
 
     kind create cluster && KUBECONFIG=~/.kube/config .venv/bin/pytest tests/e2e -m e2e
 """
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,6 +27,7 @@ import yaml
 
 from specserve_operator import runner
 from specserve_operator.api import crd
+from specserve_operator.render import children as render
 
 pytestmark = [
     pytest.mark.e2e,
@@ -32,6 +36,9 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
+ENGINE_CPU_IMAGE = os.environ.get("SPECSERVE_E2E_ENGINE_IMAGE", "specserve-engine-cpu:0.1.0")
+# A CPU engine loads the tiny models in a minute or two; a busy laptop may take longer.
+POD_READY_TIMEOUT_S = 900
 
 
 def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -120,3 +127,68 @@ def test_the_api_server_rejects_what_the_models_reject(namespace: str) -> None:
     result = kubectl("apply", "-f", "-", stdin=yaml.safe_dump(resource), check=False)
     assert result.returncode != 0
     assert "placement" in result.stderr
+
+
+def image_on_nodes(image: str) -> bool:
+    """Whether some node holds the image (`kind load docker-image` lists it under its full reference)."""
+    wanted = {image, f"docker.io/library/{image}"}
+    nodes = json.loads(kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    return any(
+        wanted & set(entry.get("names", []))
+        for node in nodes
+        for entry in (node.get("status") or {}).get("images", [])
+    )
+
+
+def in_pod(namespace: str, name: str, code: str) -> str:
+    """Run Python in the pod's sidecar container (the engine image has it) and return its output."""
+    return kubectl(
+        "exec", f"deploy/{name}", "-n", namespace, "-c", "sidecar", "--", "python3", "-c", code
+    ).stdout
+
+
+def test_the_cpu_engine_pods_run_and_serve_completions(namespace: str, operator: None) -> None:
+    if not image_on_nodes(ENGINE_CPU_IMAGE):
+        pytest.skip(f"{ENGINE_CPU_IMAGE} is on no node (docs/quickstart-kind.md builds and loads it)")
+    resource = yaml.safe_load((REPO / "examples" / "kind-cpu.yaml").read_text())
+    resource["metadata"]["namespace"] = namespace
+    resource["spec"]["engine"]["image"] = ENGINE_CPU_IMAGE
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(resource))
+    name = resource["metadata"]["name"]
+
+    def ready() -> dict[str, Any] | None:
+        serving = get("speculativeserving", name, namespace) or {}
+        status = serving.get("status") or {}
+        return serving if status.get("phase") == "Ready" and status.get("readyReplicas") == 1 else None
+
+    wait_for(ready, timeout=POD_READY_TIMEOUT_S)
+    completion = json.loads(
+        in_pod(
+            namespace,
+            name,
+            "import json, urllib.request as u; body = json.dumps({'model': 'tiny-target', "
+            "'prompt': 'def add(a, b):', 'max_tokens': 16, 'temperature': 0}).encode(); "
+            f"r = u.Request('http://127.0.0.1:{render.ENGINE_PORT}/v1/completions', body, "
+            "{'Content-Type': 'application/json'}); print(u.urlopen(r, timeout=60).read().decode())",
+        )
+    )
+    assert completion["choices"][0]["text"].strip()
+    state = json.loads(
+        in_pod(
+            namespace,
+            name,
+            f"import urllib.request as u; t = open('{render.TOKEN_DIR}/{render.TOKEN_KEY}').read().strip(); "
+            f"r = u.Request('http://127.0.0.1:{render.SIDECAR_PORT}/v1/state', "
+            "headers={'Authorization': 'Bearer ' + t}); "
+            "print(u.urlopen(r, timeout=10).read().decode())",
+        )
+    )
+    assert state["drafter"] == "tiny-draft" and state["warm"]
+    shown = subprocess.run(
+        [str(Path(sys.executable).parent / "specserve"), "status", name, "-n", namespace, "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert json.loads(shown.stdout)["phase"] == "Ready"

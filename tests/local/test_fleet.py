@@ -90,6 +90,18 @@ def test_local_fleet_follows_the_load(tmp_path: Path) -> None:
     # Speculation was measured: some bucket saw accepted drafts during the controller's run.
     assert max(data["mal_by_bucket"]["specserve"].values()) > 1.0
     assert data["decisions"], "the controller decided nothing"
+    # `specserve status --local` reads the fleet's status file as it would read a cluster's resource.
+    shown = subprocess.run(
+        [str(SPECSERVE), "status", "--local", str(run_dir), "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    (status,) = json.loads(shown.stdout)
+    assert status["name"] == "tiny" and status["drafter"] == "tiny-draft" and status["decisions"]
+    assert {b["bucket"] for b in status["buckets"]} >= {"1", "16"}
+    assert [p["name"] for p in status["pods"]] == ["tiny-0"]
     assert not _stray_processes(run_dir)
     assert not any(port_in_use(p) for p in _ports(run_dir))
 

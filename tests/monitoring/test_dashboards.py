@@ -17,7 +17,8 @@ import yaml
 from monitoring.promql import DASHBOARDS, promql_metric_names, promtool
 
 from specserve_engine import metric_names
-from specserve_operator.local.prometheus import PrometheusProcess, backfill_openmetrics
+from specserve_operator.local.prometheus import PrometheusProcess
+from specserve_testing.prometheus import backfill_openmetrics
 
 pytestmark = pytest.mark.prometheus
 
@@ -86,7 +87,7 @@ def test_deployment_dashboard_has_the_issue_panels() -> None:
     assert panels["Mean accepted length per batch bucket"]["type"] == "heatmap"
     for title in (
         "Acceptance per draft position",
-        "K in force per batch bucket",
+        "K in force and recommended per batch bucket",
         "Speculation on/off per pod",
         "Drafter in use",
         "Tokens per engine second, with and without speculation",
@@ -179,6 +180,10 @@ def _synthetic_fleet(end: int) -> str:
     operator = {"namespace": "ml", "name": "llama", "action": "disable"}
     add(metric_names.OPERATOR_DECISIONS.series[0], operator, 0.02)
     _histogram(add, metric_names.OPERATOR_TICK_SECONDS.name, {"pod": "specserve-0"}, 0.1)
+    recommendation = {"namespace": "ml", "name": "llama", "mode": "advise", "drafter": "eagle3"}
+    for bucket, k in (("1", 4), ("64", 0)):
+        add(metric_names.OPERATOR_RECOMMENDED_K.name, recommendation | {"bucket": bucket}, 0, k)
+    add(metric_names.OPERATOR_PREDICTED_GAIN.name, recommendation, 0, 1.4)
 
     lines = []
     for name, labels, start, slope in series:

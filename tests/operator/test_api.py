@@ -154,7 +154,28 @@ BAD_RESOURCES = [
     ("tp-zero", _set("spec.model.tensorParallelSize", 0), "tensorParallelSize"),
     ("gpus-below-tp", _set("spec.model.tensorParallelSize", 2), "engine.gpu.count"),
     ("gpu-count-too-many", _set("spec.engine.gpu.count", 17), "gpu.count"),
-    ("image-missing", _drop("spec.engine.image"), "image"),
+    ("image-empty", _set("spec.engine.image", ""), "image"),
+    ("gpu-count-negative", _set("spec.engine.gpu.count", -1), "gpu.count"),
+    ("parallel-drafting-ngram", _set("spec.drafters.1.parallelDrafting", True), "parallelDrafting"),
+    (
+        "parallel-drafting-sidecar",
+        _add_drafter(
+            {
+                "name": "d",
+                "method": "draftModel",
+                "source": "hf://o/d",
+                "placement": "sidecar",
+                "parallelDrafting": True,
+            }
+        ),
+        "parallelDrafting",
+    ),
+    ("image-source-absolute", _set("spec.model.source", "image:///etc/passwd"), "model.source"),
+    (
+        "advise-without-drafters",
+        lambda r: r["spec"].update(drafters=[], speculation={"mode": "advise"}),
+        "drafters",
+    ),
     ("unknown-method", _set("spec.drafters.1.method", "lookahead"), "method"),
     ("k-zero", _set("spec.drafters.0.maxSpeculativeTokens", 0), "maxSpeculativeTokens"),
     ("k-seventeen", _set("spec.drafters.0.maxSpeculativeTokens", 17), "maxSpeculativeTokens"),
@@ -191,6 +212,20 @@ BAD_RESOURCES = [
         "drafters",
     ),
     ("prometheus-url-scheme", _set("spec.monitoring.prometheusUrl", "prometheus:9090"), "prometheusUrl"),
+    # a source that climbs out of its mount, and extraArgs that move the port or set an API key (the
+    # operator's own flags, in any spelling vLLM takes: test_engine_pod_hardening.py has them all)
+    ("pvc-source-climbs-out", _set("spec.model.source", "pvc://models/../../../etc"), "model.source"),
+    ("drafter-source-climbs-out", _set("spec.drafters.0.source", "hf://org/eagle3/.."), "source"),
+    ("extra-args-port", _set("spec.engine.extraArgs", ["--port", "9000"]), "extraArgs"),
+    ("extra-args-port-abbreviated", _set("spec.engine.extraArgs", ["--po=9000"]), "extraArgs"),
+    ("extra-args-host", _set("spec.engine.extraArgs", ["--enable-prefix-caching", "--host=::"]), "extraArgs"),
+    ("extra-args-api-key", _set("spec.engine.extraArgs", ["--api-key=hunter2"]), "extraArgs"),
+    ("extra-args-underscores", _set("spec.engine.extraArgs", ["--max_model_len", "9"]), "extraArgs"),
+    ("extra-args-json-field", _set("spec.engine.extraArgs", ["--speculative-config.method=x"]), "extraArgs"),
+    ("extra-args-alias", _set("spec.engine.extraArgs", ["-sc", "{}"]), "extraArgs"),
+    ("shm-size-not-a-quantity", _set("spec.engine.shmSize", "lots"), "shmSize"),
+    ("engine-cpu-negative", _set("spec.engine.resources.requests.cpu", "-1"), "cpu"),
+    ("sidecar-memory-words", _set("spec.sidecar.resources.limits.memory", "8 GiB"), "memory"),
 ]
 
 
@@ -201,6 +236,17 @@ def test_there_are_at_least_fifteen_bad_resources() -> None:
 def test_the_good_resource_passes_both() -> None:
     assert model_error(_good()) is None
     assert crd_errors(_good()) == []
+
+
+def test_engine_flags_the_operator_does_not_own_and_explicit_resources_pass_both() -> None:
+    resource = _good()
+    resource["spec"]["engine"]["extraArgs"] = ["--enable-prefix-caching", "--max-num-batched-tokens", "8192"]
+    resource["spec"]["engine"]["resources"] = {"requests": {"cpu": "8", "memory": "64Gi"}}
+    resource["spec"]["engine"]["shmSize"] = "16Gi"
+    resource["spec"]["sidecar"] = {"resources": {"limits": {"cpu": "1.5", "memory": "512Mi"}}}
+    resource["spec"]["model"]["source"] = "pvc://models/llama/v1.2..final"  # dots, but no '..' segment
+    assert model_error(resource) is None
+    assert crd_errors(resource) == []
 
 
 @pytest.mark.parametrize(
@@ -246,6 +292,37 @@ def test_defaults_fill_a_minimal_spec() -> None:
     assert spec.speculation.evaluation_interval_seconds == 30
     assert spec.speculation.cooldown_seconds == 300
     assert spec.initial_drafter is not None and spec.initial_drafter.name == "ngram"
+
+
+MINIMAL = {
+    "apiVersion": "specserve.io/v1alpha1",
+    "kind": "SpeculativeServing",
+    "metadata": {"name": "minimal", "namespace": "ns"},
+    "spec": {
+        "model": {"name": "m", "source": "hf://org/m"},
+        "drafters": [{"name": "ngram", "method": "ngram"}],
+        "speculation": {"mode": "auto"},
+    },
+}
+
+
+def test_a_minimal_resource_is_accepted_by_both() -> None:
+    """A model, one n-gram drafter and mode auto: no engine section (the operator's image is used)."""
+    assert model_error(MINIMAL) is None
+    assert crd_errors(MINIMAL) == []
+    spec = parse_spec(MINIMAL["spec"])
+    assert spec.engine.image is None and spec.engine.gpu.count == 1
+
+
+@pytest.mark.parametrize("mode", ["advise", "auto", "on"])
+def test_parallel_drafting_on_a_colocated_eagle3_and_cpu_engines_are_accepted(mode: str) -> None:
+    resource = _good()
+    resource["spec"]["drafters"][0]["parallelDrafting"] = True
+    resource["spec"]["engine"]["gpu"]["count"] = 0
+    resource["spec"]["model"]["source"] = "image://tiny-target"
+    resource["spec"]["speculation"]["mode"] = mode
+    assert model_error(resource) is None
+    assert crd_errors(resource) == []
 
 
 @pytest.mark.parametrize(
@@ -359,7 +436,7 @@ def test_there_are_the_four_required_examples() -> None:
     assert len(specs) >= 4
     drafters = [d for s in specs for d in s.get("drafters", [])]
     assert any(d["method"] == "eagle3" and d.get("placement", "colocated") == "colocated" for d in drafters)
-    assert any(s["engine"]["gpu"] == {"count": 4, "product": "NVIDIA-H200"} for s in specs)
+    assert any(s.get("engine", {}).get("gpu") == {"count": 4, "product": "NVIDIA-H200"} for s in specs)
     assert any(d["method"] == "draftModel" and d["placement"] == "separateGpu" for d in drafters)
     assert any({d["method"] for d in s.get("drafters", [])} == {"ngram"} for s in specs)
     assert any(s.get("speculation", {}).get("mode") == "off" for s in specs)

@@ -13,6 +13,7 @@ import jsonschema
 import kmock
 import yaml
 
+from specserve_operator import reconciler
 from specserve_operator.api import crd
 from specserve_operator.render import children as render
 from specserve_testing.kmock_emulator import NAMESPACE, SERVICE_MONITORS, SERVINGS, RVEmulator, eventually
@@ -92,6 +93,7 @@ async def test_create_makes_every_child_owned_by_the_resource(
     assert status["observedGeneration"] == 1
     assert status["selector"] == render.label_selector_string("llama")
     assert _condition(serving, "Invalid")["status"] == "False"
+    assert _condition(serving, "Conflict")["status"] == "False"
     assert _condition(serving, "Ready")["status"] == "False"
     assert _events(kube_emulator, "Deployed")
     # what the operator wrote fits the CRD's status schema (a real API server would prune the rest)
@@ -151,6 +153,133 @@ async def test_delete_removes_every_child(kube_emulator: RVEmulator, operator_ru
             f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/llama"
         )
         await eventually(lambda: _get(kube_emulator, SERVINGS, "llama") is None)
+    assert _children(kube_emulator, "llama") == dict.fromkeys(CHILDREN)
+
+
+# Someone else's objects under the children's names: made by hand, by another tool, or by a user who
+# may create SpeculativeServings but should not thereby delete or rewrite workloads in the namespace.
+FOREIGN: dict[str, tuple[str, dict[str, Any]]] = {
+    "apps/v1/deployments": (
+        "Deployment",
+        {
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": "theirs"}},
+                "template": {
+                    "metadata": {"labels": {"app": "theirs"}},
+                    "spec": {"containers": [{"name": "web", "image": "nginx:1.27"}]},
+                },
+            }
+        },
+    ),
+    "v1/services": ("Service", {"spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}}),
+    "policy/v1/poddisruptionbudgets": (
+        "PodDisruptionBudget",
+        {"spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "theirs"}}}},
+    ),
+    "v1/configmaps": ("ConfigMap", {"data": {"settings": "theirs"}}),
+    "v1/secrets": ("Secret", {"type": "Opaque", "data": {"token": "dGhlaXJzLXRva2Vu"}}),
+    SERVICE_MONITORS: ("ServiceMonitor", {"spec": {"selector": {"matchLabels": {"app": "theirs"}}}}),
+}
+
+
+async def _create_foreign(emulator: RVEmulator, resource: str, name: str) -> None:
+    kind, extra = FOREIGN[resource]
+    group_version, plural = resource.rsplit("/", 1)
+    prefix = "/api" if group_version == "v1" else "/apis"
+    body = {
+        "apiVersion": group_version,
+        "kind": kind,
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app": "theirs"}},
+        **copy.deepcopy(extra),
+    }
+    await emulator.post(f"{prefix}/{group_version}/namespaces/{NAMESPACE}/{plural}", json=body)
+
+
+def _writes(emulator: RVEmulator, resource: str) -> int:
+    """Requests that create, change or delete objects of this resource."""
+    return sum(len(emulator[verb, kmock.resource(resource)]) for verb in ("post", "patch", "put", "delete"))
+
+
+def _conflicted(emulator: RVEmulator, name: str) -> dict[str, Any] | None:
+    condition = _condition(_get(emulator, SERVINGS, name), "Conflict")
+    return condition if condition and condition["status"] == "True" else None
+
+
+async def test_foreign_objects_under_the_childrens_names_are_never_touched(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    for resource, pattern in CHILDREN.items():
+        await _create_foreign(kube_emulator, resource, pattern.format(name="llama"))
+    before = _children(kube_emulator, "llama")
+    writes_before = {resource: _writes(kube_emulator, resource) for resource in CHILDREN}
+    path = f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/llama"
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+        condition = await eventually(lambda: _conflicted(kube_emulator, "llama"))
+        await eventually(lambda: len(_events(kube_emulator, "Conflict")) >= len(CHILDREN))
+        events = _events(kube_emulator, "Conflict")
+        await kube_emulator.delete(path)
+        await eventually(lambda: _get(kube_emulator, SERVINGS, "llama") is None)
+    # nothing was created, patched, adopted or deleted: the objects are exactly as their owner left them
+    assert {resource: _writes(kube_emulator, resource) for resource in CHILDREN} == writes_before
+    assert _children(kube_emulator, "llama") == before
+    assert all(not (child or {})["metadata"].get("ownerReferences") for child in before.values())
+    objects = [f"{kind} {CHILDREN[res].format(name='llama')}" for res, (kind, _) in FOREIGN.items()]
+    assert condition["reason"] == "ForeignObject"
+    assert all(o in condition["message"] for o in objects), condition["message"]
+    assert all(any(o in e["message"] for e in events) for o in objects), [e["message"] for e in events]
+    assert {e["type"] for e in events} == {"Warning"}
+
+
+async def test_a_conflict_stops_only_its_own_resource_and_clears_when_the_name_is_free(
+    kube_emulator: RVEmulator, operator_runner, monkeypatch
+) -> None:
+    monkeypatch.setattr(reconciler, "CONFLICT_RETRY_S", 1)
+    await _create_foreign(kube_emulator, "v1/secrets", "llama-control-token")
+    async with operator_runner():
+        await _create(kube_emulator, _resource("llama"))
+        await _create(kube_emulator, _resource("other"))
+        other = await eventually(lambda: _deployed(kube_emulator, "other"))
+        condition = await eventually(lambda: _conflicted(kube_emulator, "llama"))
+        assert "Secret llama-control-token" in condition["message"]
+        assert _condition(_get(kube_emulator, SERVINGS, "llama"), "Deployed")["reason"] == "Conflict"
+        # the colliding resource made nothing at all, not even the children whose names were free
+        assert all(
+            child is None for res, child in _children(kube_emulator, "llama").items() if res != "v1/secrets"
+        )
+        await kube_emulator.delete(f"/api/v1/namespaces/{NAMESPACE}/secrets/llama-control-token")
+        llama = await eventually(lambda: _deployed(kube_emulator, "llama"))
+    assert _condition(other, "Conflict")["status"] == "False"
+    assert _condition(llama, "Conflict")["status"] == "False"
+    uid = llama["metadata"]["uid"]
+    for res, child in _children(kube_emulator, "llama").items():
+        assert [o["uid"] for o in child["metadata"]["ownerReferences"]] == [uid], res
+    secret = _get(kube_emulator, "v1/secrets", "llama-control-token")
+    assert secret["stringData"]["token"] != "theirs-token"  # a token of its own, not the foreign one
+
+
+async def test_without_secret_access_the_condition_says_where_to_grant_it_and_deletion_works(
+    kube_emulator: RVEmulator, operator_runner
+) -> None:
+    """A namespace outside the chart's secretNamespaces: no Secret can be read or made there."""
+    kube_emulator["get", kmock.resource("v1/secrets")] << kmock.KubernetesError(
+        status=403, reason="Forbidden", message='secrets "llama-control-token" is forbidden'
+    )
+    async with operator_runner():
+        await _create(kube_emulator, _resource())
+
+        def failed() -> dict[str, Any] | None:
+            condition = _condition(_get(kube_emulator, SERVINGS, "llama"), "Deployed")
+            return condition if condition and condition["status"] == "False" else None
+
+        condition = await eventually(failed)
+        await kube_emulator.delete(
+            f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/llama"
+        )
+        await eventually(lambda: _get(kube_emulator, SERVINGS, "llama") is None)
+    assert condition["reason"] == "ApplyFailed"
+    assert "operator.secretNamespaces" in condition["message"] and "docs/install.md" in condition["message"]
     assert _children(kube_emulator, "llama") == dict.fromkeys(CHILDREN)
 
 

@@ -3,15 +3,22 @@ Prometheus holding the pods' history, and real HTTP sidecar stand-ins at the pod
 
 from __future__ import annotations
 
+import asyncio
+import io
+import json
 import os
 import shutil
 import socket
 import time
 from typing import Any
 
+import jsonschema
 import kmock
 import pytest
+from rich.console import Console
 
+from specserve_operator import cli, status_cli
+from specserve_operator.api import crd
 from specserve_operator.render import children as render
 from specserve_testing.kmock_emulator import NAMESPACE, SERVINGS, RVEmulator, eventually
 
@@ -170,3 +177,94 @@ async def test_prometheus_down_marks_the_condition_and_pushes_nothing(
         assert (cond["status"], cond["reason"]) == ("False", "PrometheusDown")
         assert not (serving.get("status") or {}).get("kByBucket")
         assert all(not s.puts for s in stands)
+
+
+async def _patch_mode(emulator: RVEmulator, mode: str) -> None:
+    await emulator.patch(
+        f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/{NAME}",
+        json={"spec": {"speculation": {"mode": mode}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+
+
+def _events(emulator: RVEmulator, prefix: str) -> list[dict[str, Any]]:
+    return [
+        o.raw
+        for (res, _, _), o in emulator.objects.items()
+        if res.plural == "events" and str(o.raw.get("reason", "")).startswith(prefix)
+    ]
+
+
+async def _specserve_status(*args: str) -> dict[str, Any]:
+    """`specserve status ... -o json` in-process (its own event loop, in a thread: kmock serves this one)."""
+    out = io.StringIO()
+    parsed = cli.build_parser().parse_args(["status", *args, "-o", "json"])
+    code = await asyncio.to_thread(status_cli.run, parsed, Console(file=out, width=200))
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+async def test_advise_mode_pushes_nothing_shows_the_recommendation_and_auto_applies_it(
+    kube_emulator: RVEmulator, operator_runner, prometheus_factory, history, sidecars, resource, monkeypatch
+) -> None:
+    resource["spec"]["speculation"]["mode"] = "advise"
+    prom = prometheus_factory(openmetrics=history)
+    monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", prom.url)
+    async with operator_runner():
+        stands = await _start_fleet(kube_emulator, sidecars, resource)
+        serving = await eventually(
+            lambda: (
+                _serving(kube_emulator)
+                if (_serving(kube_emulator).get("status") or {}).get("recommendation")
+                else None
+            ),
+            timeout=60,
+        )
+        await eventually(lambda: _events(kube_emulator, "Advise"), timeout=30)
+        await asyncio.sleep(3)  # a few more ticks: still nothing pushed
+        status = _serving(kube_emulator)["status"]
+        recommendation = status["recommendation"]
+        assert recommendation["mode"] == "advise" and recommendation["drafter"] == "draft"
+        assert recommendation["kByBucket"]["4"] > 0 and recommendation["predictedGain"] > 1.0
+        assert "kByBucket" not in status and "activeDrafter" not in status  # nothing in force changed
+        assert all(not s.puts for s in stands)
+        applied = _condition(serving, "PoliciesApplied")
+        assert (applied["status"], applied["reason"]) == ("False", "AdviseOnly")
+        event = _events(kube_emulator, "Advise")[0]
+        assert "recommend drafter draft" in event["message"] and "predicted gain" in event["message"]
+        assert status["lastDecision"]["action"].startswith("advise:")
+        # what the operator wrote fits the CRD's status schema (a real API server would prune the rest)
+        jsonschema.Draft4Validator(crd.open_api_schema()["properties"]["status"]).validate(status)
+        shown = await _specserve_status(NAME, "-n", NAMESPACE)
+        assert shown["mode"] == "advise" and shown["predictedGain"] == recommendation["predictedGain"]
+        by_bucket = {b["bucket"]: b for b in shown["buckets"]}
+        assert by_bucket["4"]["recommendedK"] == recommendation["kByBucket"]["4"]
+        assert by_bucket["4"]["k"] is None  # nothing in force yet
+        assert any(d["action"].startswith("Advise") for d in shown["decisions"])
+
+        # advise -> auto: the next tick puts the recommendation in force on every pod.
+        await _patch_mode(kube_emulator, "auto")
+        await eventually(lambda: all(s.puts for s in stands), timeout=30)
+        for s in stands:
+            assert s.policy["kByBucket"] == recommendation["kByBucket"]
+        status = await eventually(
+            lambda: (s := _serving(kube_emulator)["status"]).get("kByBucket") and s, timeout=30
+        )
+        assert status["kByBucket"] == recommendation["kByBucket"] and status["activeDrafter"] == "draft"
+        await eventually(
+            lambda: any("advise mode" in e["message"] for e in _events(kube_emulator, "Policy")), timeout=30
+        )
+        shown = await _specserve_status(NAME, "-n", NAMESPACE)
+        assert shown["mode"] == "auto" and shown["policyVersion"] == status["policyVersion"]
+        assert {p["name"] for p in shown["pods"]} == set(PODS)
+        assert all(p["policyVersion"] == 1 for p in shown["pods"])  # what the history's sidecars report
+
+        # auto -> advise: the pods keep the policy in force; nothing more is pushed.
+        await _patch_mode(kube_emulator, "advise")
+        await eventually(
+            lambda: _serving(kube_emulator)["status"]["recommendation"]["mode"] == "advise", timeout=30
+        )
+        puts = [len(s.puts) for s in stands]
+        await asyncio.sleep(3)
+        assert [len(s.puts) for s in stands] == puts
+        assert _serving(kube_emulator)["status"]["kByBucket"] == status["kByBucket"]

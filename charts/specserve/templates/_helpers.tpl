@@ -47,6 +47,17 @@ app.kubernetes.io/part-of: specserve
 {{- end -}}
 {{- end -}}
 
+{{/* The default engine image (engines.image); empty when no repository is set. */}}
+{{- define "specserve.engineImage" -}}
+{{- with .Values.engines.image -}}
+{{- if and .repository .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else if .repository -}}
+{{- printf "%s:%s" .repository (default $.Chart.AppVersion .tag) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* True ("true") when the cluster serves the Prometheus Operator's API. */}}
 {{- define "specserve.monitoringApi" -}}
 {{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}

@@ -56,13 +56,16 @@ def _model_classes() -> dict[str, type[BaseModel]]:
 def _factory_defaults(cls: type[BaseModel]) -> dict[str, Any]:
     """Defaults made by default_factory, which pydantic leaves out of the JSON Schema.
 
-    A nested object defaults to `{}` so that the API server fills in its own fields' defaults."""
+    A nested object defaults to what its factory sets beyond its own fields' defaults (usually `{}`), and
+    the API server fills in the rest."""
     out: dict[str, Any] = {}
     for name, field in cls.model_fields.items():
         if field.default_factory is None:
             continue
         value = field.default_factory()  # type: ignore[call-arg]
-        out[field.alias or name] = {} if isinstance(value, BaseModel) else value
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+        out[field.alias or name] = value
     return out
 
 

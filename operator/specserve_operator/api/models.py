@@ -1,8 +1,9 @@
-"""The SpeculativeServing custom resource (DESIGN §3): pydantic v2 models, the single source of the API.
+"""The SpeculativeServing custom resource: pydantic v2 models, the single source of the API.
 
-The CRD in crds/ is generated from these models (see `specserve_operator.api.crd`), and the cross-field
-rules below are mirrored there as CEL rules, so that the API server and the operator reject the same
-resources. Field names on the wire are camelCase; Python attributes are snake_case.
+The CRD in crds/ and docs/crd-reference.md are generated from these models (`specserve_operator.api.crd`
+and `.reference`), and the cross-field rules below are mirrored there as CEL rules, so that the API
+server and the operator reject the same resources. Field names on the wire are camelCase; Python
+attributes are snake_case.
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ API_VERSION = f"{GROUP}/{VERSION}"
 DrafterMethod = Literal[
     "eagle3", "eagle", "medusa", "mtp", "draftModel", "ngram", "suffix", "selfSpeculative"
 ]
-SpeculationMode = Literal["auto", "on", "off"]
+SpeculationMode = Literal["auto", "advise", "on", "off"]
 Phase = Literal["Pending", "Deploying", "Ready", "Degraded", "Failed"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 DRAFTER_METHODS: tuple[str, ...] = DrafterMethod.__args__  # type: ignore[attr-defined]
 PLACEMENTS: tuple[str, ...] = Placement.__args__  # type: ignore[attr-defined]
 
-# Which placements each method can run in (DESIGN §4). colocated = vLLM's own drafter inside the engine;
-# sidecar = hosted by the sidecar on the pod's own GPUs; separateGpu = hosted by the sidecar on its own GPU.
+# Which placements each method can run in (docs/architecture.md#placements). colocated = vLLM's own drafter
+# inside the engine; sidecar = hosted by the sidecar on the pod's own GPUs; separateGpu = hosted by the
+# sidecar on its own GPU.
 METHODS_BY_PLACEMENT: dict[str, tuple[str, ...]] = {
     "colocated": ("eagle3", "eagle", "medusa", "mtp", "draftModel", "ngram", "suffix"),
     "sidecar": ("draftModel", "ngram", "suffix", "selfSpeculative"),
@@ -45,9 +47,12 @@ METHODS_BY_PLACEMENT: dict[str, tuple[str, ...]] = {
 # Methods that load weights of their own (a `source` is required) and methods that have none (forbidden).
 METHODS_NEEDING_SOURCE: tuple[str, ...] = ("eagle3", "eagle", "medusa", "draftModel")
 METHODS_WITHOUT_WEIGHTS: tuple[str, ...] = ("ngram", "suffix")
+# EAGLE-style heads vLLM can run with parallel drafting (P-EAGLE: all K tokens in one forward pass).
+PARALLEL_DRAFTING_METHODS: tuple[str, ...] = ("eagle3", "eagle")
 
+# image://NAME: a folder baked into the engine image (one path segment, so it cannot leave the folder).
 MODEL_SOURCE_PATTERN = (
-    r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|s3://[^/\s]+/[^\s]*)$"
+    r"^(hf://[^/\s]+/\S+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+/\S*|image://[\w-]+)$"
 )
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
@@ -55,6 +60,41 @@ _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _DURATION_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 MAX_DRAFTERS = 16
 MAX_BUCKETS = 32
+# A Kubernetes quantity without sign or exponent: 4, 500m, 1.5, 16Gi, 512M.
+QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE])?$"
+# A `..` path segment would lead a source's pod path out of its mount (pvc://claim/../../etc).
+PARENT_SEGMENT = "(^|/)[.][.](/|$)"
+# `vllm serve` flags the operator sets itself, so engine.extraArgs cannot override them: where the engine
+# listens (the probes, the Service and the sidecar reach http://<pod>:8000), its access control (a key in
+# the Deployment is readable by anyone who may read Deployments, and would lock the sidecar out), what the
+# resource's own fields say, and specserve's plugins.
+OWNED_ENGINE_FLAGS: tuple[str, ...] = (
+    "--host",
+    "--port",
+    "--uds",
+    "--root-path",
+    "--ssl-keyfile",
+    "--ssl-certfile",
+    "--ssl-ca-certs",
+    "--ssl-cert-reqs",
+    "--enable-ssl-refresh",
+    "--no-enable-ssl-refresh",
+    "--api-key",
+    "--model",
+    "--served-model-name",
+    "--max-model-len",
+    "--tensor-parallel-size",
+    "-tp",
+    "--max-num-seqs",
+    "--speculative-config",
+    "-sc",
+    "--scheduler-cls",
+    "--worker-cls",
+    "--additional-config",
+    "--disable-log-stats",
+    "--enable-logging-iteration-details",
+    "--no-enable-logging-iteration-details",
+)
 
 
 def parse_duration(text: str) -> float:
@@ -62,6 +102,36 @@ def parse_duration(text: str) -> float:
     if not re.fullmatch(DURATION_PATTERN, text):
         raise ValueError(f"{text!r} is not a duration like '30s', '5m' or '1h30m'")
     return sum(float(n) * _DURATION_UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+def owned_engine_flag(arg: str) -> str | None:
+    """The operator's flag `arg` sets, in any spelling vLLM's parser takes: `--flag=v`, `--flag.key v`
+    (JSON fields), underscores for dashes, or an abbreviation (argparse expands unambiguous prefixes)."""
+    flag = arg.split("=", 1)[0].split(".", 1)[0]
+    if not flag.startswith("-"):
+        return None
+    if flag.startswith("--"):
+        flag = "--" + flag[2:].replace("_", "-")
+    for owned in OWNED_ENGINE_FLAGS:
+        if flag == owned or (flag.startswith("--") and len(flag) > 2 and owned.startswith(flag)):
+            return owned
+    return None
+
+
+def _owned_flag_regex() -> str:
+    """owned_engine_flag as one RE2 pattern for the CRD: each flag, or any prefix of it (nested optional
+    groups), with `-` or `_` between words, then the end, `=` or `.`."""
+
+    def prefixes(rest: str) -> str:
+        if not rest:
+            return ""
+        head = "[-_]" if rest[0] == "-" else rest[0]
+        return f"({head}{prefixes(rest[1:])})?"
+
+    long_flags = [f[2:] for f in OWNED_ENGINE_FLAGS if f.startswith("--")]
+    short_flags = [f[1:] for f in OWNED_ENGINE_FLAGS if not f.startswith("--")]
+    alternatives = [f[0] + prefixes(f[1:]) for f in long_flags]
+    return f"^(--({'|'.join(alternatives)})|-({'|'.join(short_flags)}))([=.].*)?$"
 
 
 def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
@@ -86,6 +156,61 @@ class _Model(BaseModel):
 Duration = Annotated[str, Field(pattern=DURATION_PATTERN, max_length=32)]
 
 
+def _source_within_its_mount(source: str | None) -> str | None:
+    if source is not None and re.search(PARENT_SEGMENT, source):
+        raise ValueError("must not contain a '..' path segment")
+    return source
+
+
+SOURCE_RULES = {
+    "x-kubernetes-validations": [
+        _cel(f"!self.matches('{PARENT_SEGMENT}')", "source must not contain a '..' path segment")
+    ]
+}
+
+
+class ResourceAmounts(_Model):
+    """CPU and memory, as Kubernetes quantities; unset: none."""
+
+    cpu: str | None = Field(
+        default=None, max_length=32, pattern=QUANTITY_PATTERN, description="CPU cores, e.g. 4 or 500m."
+    )
+    memory: str | None = Field(
+        default=None, max_length=32, pattern=QUANTITY_PATTERN, description="Memory, e.g. 16Gi."
+    )
+
+
+class EngineResources(_Model):
+    """The engine container's CPU and memory (its GPUs come from engine.gpu). No CPU limit by default:
+    throttling a serving engine costs latency; a memory limit is left to the cluster's admin, as an
+    out-of-memory kill costs a full model load."""
+
+    requests: ResourceAmounts = Field(
+        default_factory=lambda: ResourceAmounts(cpu="4", memory="16Gi"),
+        description="What the scheduler reserves; set as a whole (a field left out is not requested).",
+    )
+    limits: ResourceAmounts = Field(default_factory=ResourceAmounts, description="Hard limits; unset: none.")
+
+
+class SidecarResources(_Model):
+    """The sidecar container's CPU and memory (a separateGpu drafter adds its GPU)."""
+
+    requests: ResourceAmounts = Field(
+        default_factory=lambda: ResourceAmounts(cpu="500m", memory="1Gi"),
+        description="What the scheduler reserves; set as a whole (a field left out is not requested).",
+    )
+    limits: ResourceAmounts = Field(
+        default_factory=lambda: ResourceAmounts(memory="8Gi"),
+        description="Hard limits; set as a whole. The memory limit bounds a drafter that leaks.",
+    )
+
+
+class SidecarSpec(_Model):
+    """The specserve sidecar container of each pod (pods of a resource with drafters)."""
+
+    resources: SidecarResources = Field(default_factory=SidecarResources, description="CPU and memory.")
+
+
 class ModelSpec(_Model):
     """The target model the engine serves."""
 
@@ -95,7 +220,10 @@ class ModelSpec(_Model):
     source: str = Field(
         pattern=MODEL_SOURCE_PATTERN,
         max_length=512,
-        description="Where the weights come from: hf://org/repo, pvc://claim/path or s3://bucket/path.",
+        json_schema_extra=SOURCE_RULES,
+        description="Where the weights come from: hf://org/repo, pvc://claim/path, s3://bucket/path, or "
+        "image://name for a folder baked into the engine image (/models/image/name; the CPU image's tiny "
+        "models).",
     )
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=64, alias="tensorParallelSize", description="GPUs the target is sharded over."
@@ -104,9 +232,17 @@ class ModelSpec(_Model):
         default=8192, ge=16, le=1_048_576, alias="maxModelLen", description="Longest prompt plus output."
     )
 
+    _source_within_its_mount = field_validator("source")(_source_within_its_mount)
+
 
 class GpuSpec(_Model):
-    count: int = Field(default=1, ge=1, le=16, description="GPUs per pod for the engine (the target model).")
+    count: int = Field(
+        default=1,
+        ge=0,
+        le=16,
+        description="GPUs per pod for the engine (the target model); 0: none, the engine runs on CPUs "
+        "(an engine image with vLLM's CPU build, e.g. the Dockerfile's engine-cpu target).",
+    )
     product: str | None = Field(
         default=None,
         max_length=128,
@@ -118,16 +254,59 @@ class GpuSpec(_Model):
 class EngineSpec(_Model):
     """The vLLM engine container of each pod."""
 
-    image: str = Field(
-        min_length=1, max_length=512, description="Engine image: vLLM with the specserve plugins and sidecar."
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="Engine image: vLLM with the specserve plugins and sidecar; unset: the image the "
+        "operator was installed with (the chart's engines.image).",
     )
     gpu: GpuSpec = Field(default_factory=GpuSpec, description="GPUs for the engine container.")
     max_num_seqs: int = Field(
         default=256, ge=1, le=4096, alias="maxNumSeqs", description="Most sequences the engine batches."
     )
-    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
-        default_factory=list, max_length=64, alias="extraArgs", description="More `vllm serve` arguments."
+    extra_args: list[
+        Annotated[
+            str,
+            Field(
+                max_length=1024,
+                json_schema_extra={
+                    "x-kubernetes-validations": [
+                        _cel(
+                            f"!self.matches('{_owned_flag_regex()}')",
+                            "extraArgs must not set a flag the operator sets itself (docs/engine-pod.md)",
+                        )
+                    ]
+                },
+            ),
+        ]
+    ] = Field(
+        default_factory=list,
+        max_length=64,
+        alias="extraArgs",
+        description="More `vllm serve` arguments; not the flags the operator sets itself (--host, --port, "
+        "--api-key, --model, --max-model-len, --speculative-config, ...: docs/engine-pod.md).",
     )
+    resources: EngineResources = Field(
+        default_factory=EngineResources, description="CPU and memory of the engine container."
+    )
+    shm_size: str = Field(
+        default="8Gi",
+        max_length=32,
+        pattern=QUANTITY_PATTERN,
+        alias="shmSize",
+        description="Size of the engine's /dev/shm (memory-backed; NCCL and vLLM's workers share tensors "
+        "through it), counted in the pod's memory.",
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_owned_flags(cls, args: list[str]) -> list[str]:
+        for i, arg in enumerate(args):
+            owned = owned_engine_flag(arg)
+            if owned is not None:
+                raise ValueError(f"[{i}] {arg!r} sets {owned}, which the operator sets itself")
+        return args
 
 
 class DrafterSpec(_Model):
@@ -154,6 +333,13 @@ class DrafterSpec(_Model):
                     f"source must not be set for methods {', '.join(METHODS_WITHOUT_WEIGHTS)}",
                     ".source",
                 ),
+                _cel(
+                    f"!self.parallelDrafting || (self.method in {_quoted(PARALLEL_DRAFTING_METHODS)} "
+                    "&& self.placement == 'colocated')",
+                    f"parallelDrafting is allowed only for colocated {', '.join(PARALLEL_DRAFTING_METHODS)} "
+                    "drafters",
+                    ".parallelDrafting",
+                ),
             ]
         }
     )
@@ -166,8 +352,9 @@ class DrafterSpec(_Model):
         default=None,
         pattern=MODEL_SOURCE_PATTERN,
         max_length=512,
-        description="The drafter's weights (hf://, pvc://, s3://); required for eagle3, eagle, medusa, "
-        "draftModel; forbidden for ngram, suffix.",
+        json_schema_extra=SOURCE_RULES,
+        description="The drafter's weights (hf://, pvc://, s3://, image://); required for eagle3, eagle, "
+        "medusa, draftModel; forbidden for ngram, suffix.",
     )
     max_speculative_tokens: int = Field(
         default=4, ge=1, le=16, alias="maxSpeculativeTokens", description="The largest K this drafter runs."
@@ -177,6 +364,15 @@ class DrafterSpec(_Model):
         description="colocated: in the engine on the target's GPUs; sidecar: in the sidecar on the same "
         "GPUs; separateGpu: in the sidecar on a GPU of its own, NVLink-connected to the target's.",
     )
+    parallel_drafting: bool = Field(
+        default=False,
+        alias="parallelDrafting",
+        description="P-EAGLE: vLLM drafts all K tokens in one forward pass of the head instead of K "
+        "passes (colocated eagle3 and eagle only; the head must be trained for it: its config.json names "
+        "the mask token, e.g. `mask_token_id`, and its weights hold `mask_hidden`).",
+    )
+
+    _source_within_its_mount = field_validator("source")(_source_within_its_mount)
 
     @model_validator(mode="after")
     def _method_fits_placement_and_source(self) -> DrafterSpec:
@@ -190,6 +386,13 @@ class DrafterSpec(_Model):
             raise ValueError(f"source: required for method {self.method}")
         if self.method in METHODS_WITHOUT_WEIGHTS and self.source is not None:
             raise ValueError(f"source: must not be set for method {self.method} (it has no weights)")
+        if self.parallel_drafting and (
+            self.method not in PARALLEL_DRAFTING_METHODS or self.placement != "colocated"
+        ):
+            raise ValueError(
+                f"parallelDrafting: allowed only for colocated {', '.join(PARALLEL_DRAFTING_METHODS)} "
+                f"drafters, not {self.method} ({self.placement})"
+            )
         return self
 
 
@@ -210,8 +413,9 @@ class SpeculationSpec(_Model):
 
     mode: SpeculationMode = Field(
         default="auto",
-        description="auto: the controller decides per batch-size bucket; on: always speculate with the "
-        "default drafter at its maximum K; off: never speculate.",
+        description="auto: the controller decides per batch-size bucket; advise: it decides as in auto "
+        "but changes nothing (status.recommendation, Events and metrics show what it would do); on: always "
+        "speculate with the default drafter at its maximum K; off: never speculate.",
     )
     default_drafter: str | None = Field(
         default=None,
@@ -323,8 +527,8 @@ class SpeculativeServingSpec(_Model):
         json_schema_extra={
             "x-kubernetes-validations": [
                 _cel(
-                    "self.engine.gpu.count >= self.model.tensorParallelSize",
-                    "engine.gpu.count must be at least model.tensorParallelSize",
+                    "self.engine.gpu.count == 0 || self.engine.gpu.count >= self.model.tensorParallelSize",
+                    "engine.gpu.count must be 0 (CPUs) or at least model.tensorParallelSize",
                     ".engine.gpu.count",
                 ),
                 _cel(
@@ -340,7 +544,7 @@ class SpeculativeServingSpec(_Model):
                 ),
                 _cel(
                     "self.speculation.mode == 'off' || size(self.drafters) > 0",
-                    "speculation.mode auto or on needs at least one drafter",
+                    "speculation.mode auto, advise or on needs at least one drafter",
                     ".drafters",
                 ),
                 _cel(
@@ -355,7 +559,7 @@ class SpeculativeServingSpec(_Model):
 
     replicas: int = Field(default=1, ge=0, le=1000, description="Engine pods.")
     model: ModelSpec = Field(description="The target model.")
-    engine: EngineSpec = Field(description="The engine container.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="The engine container.")
     drafters: list[DrafterSpec] = Field(
         default_factory=list,
         max_length=MAX_DRAFTERS,
@@ -364,10 +568,11 @@ class SpeculativeServingSpec(_Model):
     )
     speculation: SpeculationSpec = Field(default_factory=SpeculationSpec, description="The policy.")
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Metrics.")
+    sidecar: SidecarSpec = Field(default_factory=SidecarSpec, description="The sidecar container.")
 
     @model_validator(mode="after")
     def _cross_field(self) -> SpeculativeServingSpec:
-        if self.engine.gpu.count < self.model.tensor_parallel_size:
+        if 0 < self.engine.gpu.count < self.model.tensor_parallel_size:
             raise ValueError(
                 f"engine.gpu.count: {self.engine.gpu.count} GPUs cannot hold tensorParallelSize "
                 f"{self.model.tensor_parallel_size}"
@@ -443,6 +648,12 @@ class FleetStatus(_Model):
 class PodStatus(_Model):
     name: str = Field(description="Pod name.")
     drafter: str | None = Field(default=None, description="The drafter in force in the pod.")
+    policy_version: int | None = Field(
+        default=None,
+        ge=0,
+        alias="policyVersion",
+        description="The policy version the pod reports in force (its sidecar's metrics).",
+    )
     speculating: bool | None = Field(default=None, description="Whether the pod speculates now.")
     batch_size: float | None = Field(default=None, ge=0, alias="batchSize", description="Mean batch size.")
     mal: float | None = Field(default=None, ge=0, description="The pod's mean accepted length.")
@@ -452,6 +663,28 @@ class Decision(_Model):
     time: datetime = Field(description="When the controller decided.")
     action: str = Field(max_length=63, description="e.g. enable, disable, setK, switchDrafter, hold.")
     reason: str = Field(default="", max_length=1024, description="Why, in words.")
+
+
+class Recommendation(_Model):
+    """What the controller would put in force (speculation.mode advise), or has put (auto)."""
+
+    mode: SpeculationMode = Field(description="The mode the recommendation was made in.")
+    drafter: str = Field(max_length=63, description="The drafter it recommends.")
+    k_by_bucket: dict[str, int] = Field(
+        default_factory=dict, alias="kByBucket", description="K it recommends per bucket (0 = off)."
+    )
+    cliff_batch_size: int | None = Field(
+        default=None, ge=0, alias="cliffBatchSize", description="Predicted first batch size not worth it."
+    )
+    predicted_gain: float | None = Field(
+        default=None,
+        ge=0,
+        alias="predictedGain",
+        description="Predicted goodput of the recommendation relative to no speculation (1 = equal).",
+    )
+    action: str = Field(max_length=63, description="The decision it would take: setK, switchDrafter, ...")
+    reason: str = Field(default="", max_length=1024, description="Why, in words.")
+    time: datetime = Field(description="When it was made.")
 
 
 class SpeculativeServingStatus(_Model):
@@ -480,6 +713,9 @@ class SpeculativeServingStatus(_Model):
     )
     policy_version: int | None = Field(
         default=None, ge=0, alias="policyVersion", description="Version of the policy last pushed to pods."
+    )
+    recommendation: Recommendation | None = Field(
+        default=None, description="The controller's latest recommendation (what advise mode would apply)."
     )
     conditions: list[Condition] | None = Field(
         default=None,

@@ -45,6 +45,7 @@ from specserve_operator.local.report import (
 )
 from specserve_operator.local.rules import usable_rule_files
 from specserve_operator.local.samples import DecisionRecord, FleetSample
+from specserve_operator.local.status_file import record_tick
 from specserve_operator.local.traffic import TrafficPattern
 from specserve_operator.local.view import ViewState
 from specserve_operator.tuner.core import ResourceView
@@ -111,6 +112,8 @@ class Session:
     run: str | None = None
     run_started: float = 0.0  # loop time
     pattern: TrafficPattern | None = None
+    status: dict = field(default_factory=dict)  # what the operator would write to the resource's status
+    timed_decisions: list[dict] = field(default_factory=list)  # for `specserve status --local`
 
     def say(self, message: str) -> None:
         self.plan.run_dir.mkdir(parents=True, exist_ok=True)
@@ -300,6 +303,7 @@ async def _controller_loop(s: Session, controller: FleetController, token: str) 
                 s.decisions.append(DecisionRecord(RUN_SPECSERVE, t, pod, d.action, d.reason, drafter, table))
         for pod, why in result.unreachable.items():
             s.decisions.append(DecisionRecord(RUN_SPECSERVE, t, pod, "unreachable", why))
+        record_tick(plan.run_dir, s.status, s.timed_decisions, view, result, datetime.now(UTC))
         s.view.decisions = s.decisions
         s.on_change()
 

@@ -23,7 +23,12 @@ from specserve_engine.api import PolicyRequest, SidecarConfig, SidecarDrafter
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.engine_args import build_engine_args
 from specserve_engine.policy_file import RUNTIME_DIR_ENV
-from specserve_operator.api.models import DrafterSpec, SpeculativeServingSpec
+from specserve_operator.api.models import (
+    DrafterSpec,
+    EngineResources,
+    SidecarResources,
+    SpeculativeServingSpec,
+)
 from specserve_operator.render.sources import (
     ResolvedSource,
     fetch_init_containers,
@@ -48,6 +53,11 @@ RUN_AS_USER = 1000
 # A model of tens of GB takes minutes to load; the startup probe allows up to 30 minutes.
 STARTUP_PROBE_PERIOD_S = 10
 STARTUP_PROBE_FAILURES = 180
+# Root filesystems are read-only; /tmp (also HOME) is each container's one writable place. vLLM writes its
+# compile cache (~/.cache/vllm), Triton's (~/.triton), torch inductor's and its IPC sockets there.
+TMP_DIR = "/tmp"
+ENGINE_TMP_SIZE = "16Gi"
+SIDECAR_TMP_SIZE = "2Gi"
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,8 @@ class RenderOptions:
     """Operator-wide settings (from the operator's environment, see reconciler.render_options_from_env)."""
 
     s3_image: str = "amazon/aws-cli:2.22.35"
+    # The engine image of resources that set no engine.image: the image the operator was installed with.
+    engine_image: str | None = None
     hf_token_secret: str | None = None
     s3_credentials_secret: str | None = None
     service_monitor_labels: dict[str, str] = field(default_factory=dict)
@@ -102,6 +114,12 @@ def _container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True}
 
 
+def _serving_security() -> dict[str, Any]:
+    """The engine's and the sidecar's: also a read-only root (they write only to their emptyDirs). The
+    fetch init containers keep a writable root: the download tools write caches under HOME."""
+    return {**_container_security(), "readOnlyRootFilesystem": True}
+
+
 def has_sidecar(spec: SpeculativeServingSpec) -> bool:
     return bool(spec.drafters)
 
@@ -139,6 +157,7 @@ def sidecar_drafter(drafter: DrafterSpec) -> SidecarDrafter:
         source=resolve_source(drafter.source).path if drafter.source else None,
         maxSpeculativeTokens=drafter.max_speculative_tokens,
         placement=drafter.placement,
+        parallelDrafting=drafter.parallel_drafting,
     )
 
 
@@ -239,6 +258,29 @@ def _node_affinity(spec: SpeculativeServingSpec) -> dict[str, Any] | None:
     }
 
 
+def engine_image(spec: SpeculativeServingSpec, options: RenderOptions) -> str:
+    """The resource's engine.image, else the operator's default; ValueError naming the field if neither."""
+    image = spec.engine.image or options.engine_image
+    if not image:
+        raise ValueError(
+            "spec.engine.image: unset, and the operator has no default engine image "
+            "(set engines.image in the chart's values, or engine.image in the resource)"
+        )
+    return image
+
+
+def _container_resources(resources: EngineResources | SidecarResources, gpus: int) -> dict[str, Any]:
+    """The container's CPU and memory from the resource, plus `gpus` GPUs (none for a CPU engine)."""
+    out: dict[str, Any] = {}
+    for key, amounts in (("limits", resources.limits), ("requests", resources.requests)):
+        values = amounts.model_dump(exclude_none=True)
+        if gpus:
+            values[GPU_RESOURCE] = str(gpus)
+        if values:
+            out[key] = values
+    return out
+
+
 def _sources(spec: SpeculativeServingSpec) -> list[ResolvedSource]:
     uris = [spec.model.source] + [d.source for d in spec.drafters if d.source]
     return [resolve_source(u) for u in uris]
@@ -249,31 +291,38 @@ def build_pod_spec(name: str, spec: SpeculativeServingSpec, options: RenderOptio
     model_volumes, model_mounts = source_volumes(sources)
     runtime_mount = {"name": "runtime", "mountPath": RUNTIME_DIR}
     runtime_env = {"name": RUNTIME_DIR_ENV, "value": RUNTIME_DIR}
-    gpus = str(spec.engine.gpu.count)
+    image = engine_image(spec, options)
     engine: dict[str, Any] = {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": image,
         "command": ["vllm", "serve"],
         "args": engine_args(spec),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": [runtime_env, {"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_OFFLINE", "value": "1"}],
-        "resources": {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}},
-        "volumeMounts": [runtime_mount, {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
+        "resources": _container_resources(spec.engine.resources, spec.engine.gpu.count),
+        "volumeMounts": [
+            runtime_mount,
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "engine-tmp", "mountPath": TMP_DIR},
+            *model_mounts,
+        ],
         "startupProbe": _http_probe("/health", ENGINE_PORT, STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
         "livenessProbe": _http_probe("/health", ENGINE_PORT, 10, 3),
+        # The pod's readiness is the engine's alone: vLLM serves without drafts when the sidecar is down.
         "readinessProbe": _http_probe("/health", ENGINE_PORT, 5, 3),
-        "securityContext": _container_security(),
+        "securityContext": _serving_security(),
     }
     containers = [engine]
     volumes: list[dict[str, Any]] = [
         {"name": "runtime", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shm_size}},
+        {"name": "engine-tmp", "emptyDir": {"sizeLimit": ENGINE_TMP_SIZE}},
         *model_volumes,
     ]
     if has_sidecar(spec):
         sidecar: dict[str, Any] = {
             "name": "sidecar",
-            "image": spec.engine.image,
+            "image": image,
             "command": ["specserve-sidecar", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
             "ports": [{"name": "sidecar", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
             "env": [runtime_env, {"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_OFFLINE", "value": "1"}],
@@ -281,17 +330,19 @@ def build_pod_spec(name: str, spec: SpeculativeServingSpec, options: RenderOptio
                 runtime_mount,
                 {"name": "sidecar-config", "mountPath": CONFIG_DIR, "readOnly": True},
                 {"name": "control-token", "mountPath": TOKEN_DIR, "readOnly": True},
+                {"name": "sidecar-tmp", "mountPath": TMP_DIR},
                 *model_mounts,
             ],
+            "resources": _container_resources(spec.sidecar.resources, 1 if needs_separate_gpu(spec) else 0),
+            # Restarted when hung; no readiness probe, so a sidecar down or warming never takes the pod
+            # out of service (the engine then runs without drafts). It shows instead in the
+            # SpecserveSidecarDown alert and the tuner's SidecarUnreachable Events (docs/runbook.md).
             "livenessProbe": _http_probe("/healthz", SIDECAR_PORT, 10, 3),
-            # Ready only after warm-up: a fresh pod takes no traffic before its drafter is warm.
-            "readinessProbe": _http_probe("/readyz", SIDECAR_PORT, 5, 3),
-            "securityContext": _container_security(),
+            "securityContext": _serving_security(),
         }
-        if needs_separate_gpu(spec):
-            sidecar["resources"] = {"limits": {GPU_RESOURCE: "1"}, "requests": {GPU_RESOURCE: "1"}}
         containers.append(sidecar)
         volumes += [
+            {"name": "sidecar-tmp", "emptyDir": {"sizeLimit": SIDECAR_TMP_SIZE}},
             {"name": "sidecar-config", "configMap": {"name": names(name)["config_map"]}},
             {"name": "control-token", "secret": {"secretName": names(name)["secret"], "defaultMode": 0o440}},
         ]
@@ -305,7 +356,7 @@ def build_pod_spec(name: str, spec: SpeculativeServingSpec, options: RenderOptio
         },
         "initContainers": fetch_init_containers(
             sources,
-            engine_image=spec.engine.image,
+            engine_image=image,
             s3_image=options.s3_image,
             hf_token_secret=options.hf_token_secret,
             s3_credentials_secret=options.s3_credentials_secret,
@@ -313,13 +364,18 @@ def build_pod_spec(name: str, spec: SpeculativeServingSpec, options: RenderOptio
         ),
         "containers": containers,
         "volumes": volumes,
-        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        if spec.engine.gpu.count
+        else [],
         # Let in-flight requests finish when a pod is replaced (vLLM drains on SIGTERM).
         "terminationGracePeriodSeconds": 120,
         "enableServiceLinks": False,
+        # Nothing in the pod talks to the Kubernetes API.
+        "automountServiceAccountToken": False,
     }
-    if not pod["initContainers"]:
-        del pod["initContainers"]
+    for key in ("initContainers", "tolerations"):
+        if not pod[key]:
+            del pod[key]
     affinity = _node_affinity(spec)
     if affinity is not None:
         pod["affinity"] = affinity
@@ -348,7 +404,7 @@ def build_deployment(
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(name)},
-            # Surge rollout: a new pod is warm and ready before an old one goes (DESIGN §4).
+            # Surge rollout: a new pod's engine is ready before an old one goes (docs/architecture.md).
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": common_labels(name), "annotations": {POD_HASH_ANNOTATION: digest}},

@@ -1,10 +1,13 @@
-"""Model sources (hf://, pvc://, s3://) as paths inside the engine pod, and what puts the files there.
+"""Model sources (hf://, pvc://, s3://, image://) as paths inside the engine pod, and what puts the files
+there.
 
 - `pvc://claim/sub/path`: the claim is mounted read-only at /models/pvc/<claim>; nothing is copied.
 - `hf://org/repo`: an init container in the engine image runs `hf download` into the pod's model cache
   (an emptyDir at /models/fetched); HF_TOKEN comes from an optional Secret.
 - `s3://bucket/key`: an init container (an aws-cli image) runs `aws s3 sync` into the same cache, with
   credentials from an optional Secret.
+- `image://name`: a folder baked into the engine image at /models/image/<name> (the CPU engine image's
+  tiny models, docs/quickstart-kind.md); nothing is mounted or copied.
 
 Every container sees the same paths, so vLLM, the sidecar and the drafters all load local directories.
 """
@@ -19,22 +22,25 @@ from typing import Any
 MODELS_ROOT = "/models"
 FETCH_ROOT = f"{MODELS_ROOT}/fetched"
 PVC_ROOT = f"{MODELS_ROOT}/pvc"
+IMAGE_ROOT = f"{MODELS_ROOT}/image"
 CACHE_VOLUME = "model-cache"
 
 
 @dataclass(frozen=True)
 class ResolvedSource:
     uri: str
-    scheme: str  # hf | pvc | s3
+    scheme: str  # hf | pvc | s3 | image
     path: str  # the directory inside the pod
-    location: str  # hf: org/repo; pvc: claim name; s3: s3://bucket/key
+    location: str  # hf: org/repo; pvc: claim name; s3: s3://bucket/key; image: the folder's name
 
 
 def resolve_source(uri: str) -> ResolvedSource:
     scheme, sep, rest = uri.partition("://")
     rest = rest.strip("/")
     if not sep or not rest:
-        raise ValueError(f"{uri!r} is not a model source (hf://org/repo, pvc://claim/path, s3://bucket/key)")
+        raise ValueError(
+            f"{uri!r} is not a model source (hf://org/repo, pvc://claim/path, s3://bucket/key, image://name)"
+        )
     if scheme == "hf":
         return ResolvedSource(uri, "hf", f"{FETCH_ROOT}/hf/{rest}", rest)
     if scheme == "pvc":
@@ -42,7 +48,9 @@ def resolve_source(uri: str) -> ResolvedSource:
         return ResolvedSource(uri, "pvc", f"{PVC_ROOT}/{rest}", claim)
     if scheme == "s3":
         return ResolvedSource(uri, "s3", f"{FETCH_ROOT}/s3/{rest}", f"s3://{rest}")
-    raise ValueError(f"{uri!r}: unknown scheme {scheme!r} (hf, pvc, s3)")
+    if scheme == "image":
+        return ResolvedSource(uri, "image", f"{IMAGE_ROOT}/{rest}", rest)
+    raise ValueError(f"{uri!r}: unknown scheme {scheme!r} (hf, pvc, s3, image)")
 
 
 def pvc_volume_name(claim: str) -> str:

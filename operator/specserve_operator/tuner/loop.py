@@ -1,6 +1,11 @@
 """The controller's I/O: one shared fleet read per Prometheus per tick, a decision per resource, the
 policy pushed to every pod's sidecar. Used by the kopf timer (timer.py) and by the local fleet.
 
+speculation.mode advise decides as auto does, from the same remembered state, but without canaries or
+trials, and pushes nothing and rolls nothing out: the decision is a recommendation (status, Events and
+the recommended-K metrics show it). Back in auto, the next tick pushes the recommended policy, and rolls
+the pods out first where its drafter needs an engine restart; from auto to advise the pods keep theirs.
+
 Faults fail static: when Prometheus is down, slow or answers garbage, nothing is decided or pushed (each
 pod keeps the policy in force) and reads back off exponentially; a sidecar that does not answer is
 retried on the next tick while the other pods are served.
@@ -9,13 +14,15 @@ retried on the next tick while the other pods are served.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from specserve_engine import metric_names as mn
 from specserve_engine.api import PolicyRequest
@@ -29,6 +36,12 @@ DECISIONS = Counter(
     mn.OPERATOR_DECISIONS.name, mn.OPERATOR_DECISIONS.help, list(mn.OPERATOR_DECISIONS.labels)
 )
 TICK_SECONDS = Histogram(mn.OPERATOR_TICK_SECONDS.name, mn.OPERATOR_TICK_SECONDS.help)
+RECOMMENDED_K = Gauge(
+    mn.OPERATOR_RECOMMENDED_K.name, mn.OPERATOR_RECOMMENDED_K.help, list(mn.OPERATOR_RECOMMENDED_K.labels)
+)
+PREDICTED_GAIN = Gauge(
+    mn.OPERATOR_PREDICTED_GAIN.name, mn.OPERATOR_PREDICTED_GAIN.help, list(mn.OPERATOR_PREDICTED_GAIN.labels)
+)
 
 BACKOFF_BASE_S = 5.0
 BACKOFF_MAX_S = 300.0
@@ -53,12 +66,21 @@ class Backoff:
 @dataclass
 class ResourceTick:
     """What one tick did for one resource: the decision (None when metrics were unavailable), pods that
-    did not take their policy, and the metrics error if any."""
+    did not take their policy, the metrics error if any, and the policy version each pod reports in force
+    (its sidecar's policy-info metric, as read this tick)."""
 
     decision: core.Decision | None
     metrics_error: MetricsUnavailable | None = None
     unreachable: dict[str, str] = field(default_factory=dict)
     pushed: list[str] = field(default_factory=list)
+    reported_versions: dict[str, int] = field(default_factory=dict)
+    advice: bool = False  # speculation.mode advise: a recommendation, nothing pushed or rolled out
+
+    @property
+    def predicted_gain(self) -> float | None:
+        """Predicted goodput of the decided drafter's policy over plain decoding (None: not measured)."""
+        d = self.decision
+        return None if d is None else d.scores.get(d.drafter)
 
 
 @dataclass
@@ -98,6 +120,9 @@ class FleetController:
         self._backoff: dict[str, Backoff] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.ratios = pol.RatioMemory()  # measured step-time ratios, remembered across ticks
+        self.advising: set[tuple[str, str]] = set()  # resources whose last decision was advice
+        # The recommendation series each resource set last: (gauge, label values).
+        self._gauges: dict[tuple[str, str], list[tuple[Gauge, tuple]]] = {}
 
     def url_for(self, view: core.ResourceView) -> str:
         return view.spec.monitoring.prometheus_url or self.default_url
@@ -105,6 +130,8 @@ class FleetController:
     def forget(self, key: tuple[str, str]) -> None:
         self.states.pop(key, None)
         self.views.pop(key, None)
+        self.advising.discard(key)
+        self._set_gauges(key, [], [])
 
     async def read(self, url: str, now: float) -> _Read:
         """The fleet behind `url`, read at most once per `max_age_s`; raises MetricsUnavailable, and
@@ -159,9 +186,58 @@ class FleetController:
             read = await self.read(url, now)
         except MetricsUnavailable as exc:
             return ResourceTick(None, metrics_error=exc)
-        decision = core.decide(view, read.snapshot, state, self._costs(url, read, now), now)
+        advising = view.spec.speculation.mode == "advise"
+        engine_in_pods = state.engine_drafter
+        decision = core.decide(
+            _without_canaries(view) if advising else view,
+            read.snapshot,
+            state,
+            self._costs(url, read, now),
+            now,
+        )
+        if advising:
+            # Nothing is rolled out: the engines keep the drafter they were started with.
+            state.engine_drafter = engine_in_pods
+            decision.rollout_drafter = None
+            self.advising.add(view.key)
+        elif view.key in self.advising:
+            self.advising.discard(view.key)
+            _apply_advice(view, state, decision)
         DECISIONS.labels(view.namespace, view.name, decision.action).inc()
-        return ResourceTick(decision)
+        reported = {
+            pod: obs.policy_version
+            for pod in view.pods
+            if (obs := read.snapshot.pods.get((view.namespace, pod))) is not None
+            and obs.policy_version is not None
+        }
+        tick = ResourceTick(decision, reported_versions=reported, advice=advising)
+        self._export(view, tick)
+        return tick
+
+    def _export(self, view: core.ResourceView, tick: ResourceTick) -> None:
+        d = tick.decision
+        assert d is not None
+        mode = view.spec.speculation.mode
+        k_labels = [
+            (view.namespace, view.name, mode, d.drafter, b, float(k)) for b, k in d.k_by_bucket.items()
+        ]
+        gain = tick.predicted_gain
+        gain_labels = [] if gain is None else [(view.namespace, view.name, mode, d.drafter, gain)]
+        self._set_gauges(view.key, k_labels, gain_labels)
+
+    def _set_gauges(self, key: tuple[str, str], k_labels: list[tuple], gain_labels: list[tuple]) -> None:
+        """Set this resource's recommendation gauges, removing the series it set before and no longer
+        sets (another drafter or mode), so that dashboards never show a stale recommendation."""
+        now = {(RECOMMENDED_K, labels[:-1]) for labels in k_labels}
+        now |= {(PREDICTED_GAIN, labels[:-1]) for labels in gain_labels}
+        for gauge, labels in set(self._gauges.get(key, ())) - now:
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+        for labels in k_labels:
+            RECOMMENDED_K.labels(*labels[:-1]).set(labels[-1])
+        for labels in gain_labels:
+            PREDICTED_GAIN.labels(*labels[:-1]).set(labels[-1])
+        self._gauges[key] = list(now)
 
     async def tick(
         self,
@@ -173,7 +249,7 @@ class FleetController:
         """Decide for one resource and push each pod its policy (endpoints: pod → sidecar base URL)."""
         started = time.perf_counter()
         result = await self.decide(view, status)
-        if result.decision is not None:
+        if result.decision is not None and not result.advice:
             await self._push(view, result, endpoints, token)
         TICK_SECONDS.observe(time.perf_counter() - started)
         return result
@@ -239,3 +315,25 @@ class FleetController:
         for view in views:
             self.views[view.key] = view
         return {view.key: await self.decide(view) for view in views}
+
+
+def _without_canaries(view: core.ResourceView) -> core.ResourceView:
+    """The view advise mode decides on: no exploration share, so no canary and no trial is started."""
+    speculation = view.spec.speculation.model_copy(update={"exploration_share": 0.0})
+    spec = view.spec.model_copy(update={"speculation": speculation})
+    return dataclasses.replace(view, spec=spec)
+
+
+def _apply_advice(view: core.ResourceView, state: core.ResourceState, decision: core.Decision) -> None:
+    """The first decision back in auto after advise: it puts the recommendation in force, so it counts as
+    a change (an Event, lastDecision), and rolls the pods out first where the recommended drafter is one
+    the running engines cannot switch to live."""
+    decision.changed = True
+    decision.reason = f"applying the recommendation made in advise mode; {decision.reason}"
+    drafters = {d.name: d for d in view.spec.drafters}
+    active = drafters.get(state.drafter)
+    needs_restart = active is not None and not core.live_switchable(active, state.engine_drafter)
+    if decision.rollout_drafter is None and active is not None and needs_restart:
+        decision.rollout_drafter = active.name
+        decision.action = "rollout"
+        state.engine_drafter = active.name if active.placement == "colocated" else None

@@ -1,5 +1,8 @@
 """The status a tick writes (pure): activeDrafter, kByBucket, cliffBatchSize, fleet and per-pod MAL,
-lastDecision, and the conditions MetricsAvailable, SpeculationHealthy and PoliciesApplied."""
+lastDecision, recommendation, and the conditions MetricsAvailable, SpeculationHealthy and PoliciesApplied.
+
+In advise mode what is in force (activeDrafter, kByBucket, policyVersion) stays as it was: the decision
+goes to `recommendation` only, and PoliciesApplied says why nothing was pushed."""
 
 from __future__ import annotations
 
@@ -54,7 +57,16 @@ def status_patch(
                 f"MAL {d.mean_accepted_length:.2f} < malFloor {floor:g}",
             )
         )
-    if tick.unreachable:
+    if tick.advice:
+        conditions.append(
+            st.condition(
+                POLICIES_APPLIED,
+                False,
+                "AdviseOnly",
+                "speculation.mode advise: the recommendation is not pushed (status.recommendation)",
+            )
+        )
+    elif tick.unreachable:
         pods = "; ".join(f"{p}: {e}" for p, e in sorted(tick.unreachable.items()))
         conditions.append(st.condition(POLICIES_APPLIED, False, "SidecarUnreachable", pods[:1000]))
     else:
@@ -71,12 +83,14 @@ def status_patch(
                 k: v
                 for k, v in {
                     "name": name,
-                    "drafter": d.pod_drafter.get(name) or (target.drafter if target else None),
+                    "drafter": d.pod_drafter.get(name)
+                    or (target.drafter if target and not tick.advice else None),
                     "speculating": None
-                    if name in tick.unreachable or target is None
+                    if name in tick.unreachable or target is None or tick.advice
                     else core.speculating(target, batch, bounds),
                     "batchSize": _round(batch, 2),
                     "mal": _round(d.pod_mal.get(name)),
+                    "policyVersion": tick.reported_versions.get(name),
                 }.items()
                 if v is not None
             }
@@ -87,15 +101,31 @@ def status_patch(
         "acceptanceRate": _round(d.acceptance_rate),
         "gpuUtilization": _round(d.gpu_utilization),
     }
-    patch: dict[str, Any] = {
-        "activeDrafter": d.drafter,
+    mode = view.spec.speculation.mode
+    recommendation = {
+        "mode": mode,
+        "drafter": d.drafter,
         "kByBucket": d.k_by_bucket,
         "cliffBatchSize": d.cliff,
+        "predictedGain": _round(tick.predicted_gain),
+        "action": d.action,
+        "reason": d.reason[:1024],
+        "time": st.now_rfc3339(now),
+    }
+    patch: dict[str, Any] = {
         "fleet": {k: v for k, v in fleet.items() if v is not None},
         "pods": pods,
-        "policyVersion": d.policy_version,
+        "recommendation": {k: v for k, v in recommendation.items() if v is not None},
         "conditions": st.merge_conditions(old.get("conditions"), conditions, now),
     }
+    if not tick.advice:
+        patch |= {
+            "activeDrafter": d.drafter,
+            "kByBucket": d.k_by_bucket,
+            "cliffBatchSize": d.cliff,
+            "policyVersion": d.policy_version,
+        }
     if d.changed or d.action == "noData" or not old.get("lastDecision"):
-        patch["lastDecision"] = {"time": st.now_rfc3339(now), "action": d.action, "reason": d.reason[:1024]}
+        action = f"advise:{d.action}" if tick.advice else d.action
+        patch["lastDecision"] = {"time": st.now_rfc3339(now), "action": action, "reason": d.reason[:1024]}
     return patch

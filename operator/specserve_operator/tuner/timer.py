@@ -18,7 +18,7 @@ import kopf
 from pydantic import ValidationError
 
 from specserve_operator.api.models import GROUP, PLURAL, VERSION, parse_spec
-from specserve_operator.kube import KubeApi, KubeError
+from specserve_operator.kube import KubeApi, KubeError, owner_uids
 from specserve_operator.render import children as render
 from specserve_operator.tuner import core
 from specserve_operator.tuner.loop import FleetController, ResourceTick
@@ -64,11 +64,18 @@ def engine_pods(
     return {(namespace, resource): (name, f"http://{ip}:{render.SIDECAR_PORT}")}
 
 
-async def _token(memo: kopf.Memo, namespace: str, name: str) -> str | None:
+async def _token(memo: kopf.Memo, namespace: str, name: str, uid: str) -> str | None:
     key = (namespace, name)
     if key not in memo.controller_tokens:
         kube: KubeApi = memo.kube
-        secret = await kube.get("v1", "Secret", namespace, render.names(name)["secret"]) or {}
+        try:
+            secret = await kube.get("v1", "Secret", namespace, render.names(name)["secret"]) or {}
+        except KubeError as exc:
+            if exc.status != 403:
+                raise
+            return None  # no Secret access in this namespace (docs/install.md): no sidecar to push to
+        if uid not in owner_uids(secret):
+            return None  # someone else's Secret: its token is not the resource's (docs/architecture.md)
         raw = (secret.get("data") or {}).get(render.TOKEN_KEY)
         plain = (secret.get("stringData") or {}).get(
             render.TOKEN_KEY
@@ -103,7 +110,7 @@ async def evaluate(
     pods = sorted(engine_pods.get(key, ()))
     view = core.ResourceView(namespace, name, parsed, tuple(p for p, _ in pods))
     controller: FleetController = memo.controller
-    token = await _token(memo, namespace, name)
+    token = await _token(memo, namespace, name, body.metadata.uid)
     tick = await controller.tick(view, dict(pods), token, dict(status))
     _report(body, tick, status)
     if tick.decision is not None and tick.decision.rollout_drafter:
@@ -121,10 +128,17 @@ def _report(body: kopf.Body, tick: ResourceTick, status: kopf.Status) -> None:
     d = tick.decision
     if d is not None and (d.changed or d.action == "noData"):
         message = f"{d.action}: {d.reason}"[:1000]
+        action = f"{d.action[:1].upper()}{d.action[1:]}"
         if d.action == "noData":
             kopf.warn(body, reason="NoDecision", message=message)
+        elif tick.advice:
+            # What auto would do, with the recommended table and gain (nothing was pushed).
+            table = ", ".join(f"{b}:{k}" for b, k in d.k_by_bucket.items())
+            gain = "unmeasured" if tick.predicted_gain is None else f"{tick.predicted_gain:.2f}x"
+            message = f"recommend drafter {d.drafter}, K {table}, predicted gain {gain}; {d.reason}"
+            kopf.info(body, reason=f"Advise{action}", message=message[:1000])
         else:
-            kopf.info(body, reason=f"Policy{d.action[:1].upper()}{d.action[1:]}", message=message)
+            kopf.info(body, reason=f"Policy{action}", message=message)
     for pod, error in tick.unreachable.items():
         kopf.warn(body, reason="SidecarUnreachable", message=f"{pod}: {error}"[:1000])
 
@@ -132,8 +146,9 @@ def _report(body: kopf.Body, tick: ResourceTick, status: kopf.Status) -> None:
 async def _rollout(memo: kopf.Memo, body: kopf.Body, view: core.ResourceView, drafter: str) -> None:
     """A drafter the running engines cannot switch to live: the sidecar ConfigMap and the Deployment are
     re-rendered (the operator's render path) with that drafter as the engine's, and applied; the Deployment's
-    surge rollout (maxSurge 1, maxUnavailable 0) brings new pods up, warmed before they are ready
-    (the sidecar's readiness waits for warmupRequests), before old ones go."""
+    surge rollout (maxSurge 1, maxUnavailable 0) brings new pods up, each ready (its engine healthy)
+    before an old one goes; a new pod's sidecar warms its drafter (warmupRequests) while the engine
+    already serves."""
     spec = render.with_active_drafter(view.spec, drafter)
     children = [render.build_deployment(view.name, view.namespace, spec, memo.options)]
     if render.has_sidecar(spec):
