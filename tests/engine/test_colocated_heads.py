@@ -2,8 +2,8 @@
 by scripts/train_speculator_heads.py: EAGLE-3, EAGLE, Medusa (on the tiny target) and MTP (the tiny
 target re-packaged as MiMo with its own MTP layer). For each: greedy output identical to the same target
 without speculation, MAL well above 1 on code and higher on code than on prose, K and on/off changed
-live (through vLLM's dynamic-SD table for EAGLE and MTP; by trimming Medusa's fixed-length drafts), and
-the stat-logger plugin's counters exact.
+live (through vLLM's dynamic-SD table; Medusa's drafts cut to the step's K by the plain-step runner), the
+stat-logger plugin's counters exact, and sampled output that follows the target's distribution.
 
 Six engines (the heads, and a plain engine per target) run for this module only, then stop: together
 with the session's engines (specserve_testing.engines, started later by test_engines_real.py) they would
@@ -33,6 +33,8 @@ from specserve_testing.engines import (
     running_engines,
     target_of,
 )
+from specserve_testing.sampling_checks import assert_lossless, sampling_run
+from specserve_testing.sampling_stats import SETTINGS
 
 pytestmark = pytest.mark.engine
 
@@ -92,3 +94,12 @@ async def test_k_and_on_off_change_live(
 
 async def test_stat_logger_counters_equal_the_per_step_record(heads: list[RunningEngine]) -> None:
     await assert_counters_equal_the_step_record(heads)
+
+
+async def test_sampling_is_lossless_with_every_head(heads: list[RunningEngine]) -> None:
+    runs = [
+        await sampling_run(e, s, f"{e.name} (colocated)", target_of(e.drafter))
+        for e in heads
+        for s in SETTINGS
+    ]
+    assert_lossless(runs)

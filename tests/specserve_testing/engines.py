@@ -112,7 +112,7 @@ class RunningEngine:
         self.set_policy(self.full_k_policy(version=0))
 
     def trace(self) -> list[dict]:
-        """The scheduler's per-step records so far (see live_policy.step_record)."""
+        """The scheduler's per-step records so far (SPECSERVE_STEP_TRACE, see vllm_plugins/live_policy.py)."""
         if not self.trace_path.exists():
             return []
         complete_lines = self.trace_path.read_text().rpartition("\n")[0]  # the last line may be half-written
