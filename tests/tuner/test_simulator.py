@@ -1,7 +1,9 @@
-"""The fleet simulator: traces, the true step-time model, and the real controller driving it."""
+"""The fleet simulator: traces, the truths the controller does not share, the baselines, and the real
+controller driving it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +11,26 @@ import pytest
 
 from specserve_operator.api.models import DrafterSpec
 from specserve_operator.cli import main as specserve
-from specserve_operator.simulator.fleet import DrafterProfile, FleetSim, SimConfig, flat
-from specserve_operator.simulator.traces import bursty_rows, diurnal_rows, load_trace, write_trace
+from specserve_operator.simulator import fleet, truths
+from specserve_operator.simulator.baselines import BucketBandit, EmaTiers, StaticTable, static_candidates
+from specserve_operator.simulator.fleet import (
+    DrafterProfile,
+    FleetSim,
+    SimConfig,
+    default_drafters,
+    flat,
+    make_truth,
+    measured_cpu_config,
+)
+from specserve_operator.simulator.traces import (
+    bursty_rows,
+    diurnal_rows,
+    load_trace,
+    scaled,
+    window,
+    write_trace,
+)
+from specserve_operator.tuner import core
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,22 +73,190 @@ def _constant(tmp_path: Path, rate: float, seconds: float, code: float = 0.5):
     return load_trace(tmp_path / "c.csv", tail_s=0.0)
 
 
-def test_truth_step_time_is_the_roofline_plus_speculation_overheads() -> None:
-    sim = FleetSim(SimConfig(pods=1, policies=("off",)), _trace_stub())
-    truth = sim.truth
-    one = np.array([1.0])
-    plain = truth.step_s(one, np.array([0.0]), np.array([512.0]), np.array([0]))
-    spec = truth.step_s(one, np.array([3.0]), np.array([512.0]), np.array([0]))
-    assert spec > plain + 3 * 1e-4  # three draft passes and the verify overhead
-    # At batch 256 verifying 6 tokens per sequence is compute-bound: far slower than one.
-    big = truth.step_s(np.array([256.0]), np.array([5.0]), np.array([512.0]), np.array([1]))
-    assert big > 2 * truth.step_s(np.array([256.0]), np.array([0.0]), np.array([512.0]), np.array([1]))
+def test_traces_scale_and_window(tmp_path: Path) -> None:
+    write_trace(tmp_path / "t.csv", [(0.0, 2.0, 0.1), (600.0, 8.0, 0.9), (1200.0, 4.0, 0.5)])
+    trace = load_trace(tmp_path / "t.csv")
+    assert scaled(trace, 3.0).at(700.0) == (24.0, 0.9)
+    part = window(trace, 900.0, 1500.0)
+    assert part.duration_s == 600.0 and part.at(0.0) == (8.0, 0.9) and part.at(400.0) == (4.0, 0.5)
+    with pytest.raises(ValueError, match="empty"):
+        window(trace, 5000.0, 6000.0)
 
 
-def _trace_stub():
-    from specserve_operator.simulator.traces import Trace
+# ---- truths -------------------------------------------------------------------------------------------
 
-    return Trace("stub", np.array([0.0]), np.array([1.0]), np.array([0.5]), 60.0)
+
+def _gpu() -> truths.GpuTruth:
+    return make_truth(SimConfig(pods=1, policies=("off",)))
+
+
+def _step(truth, batch: float, k: float = 0.0, ctx: float = 1000.0, drafter: int = 0) -> float:
+    return float(truth.step_s(np.array([batch]), np.array([k]), np.array([ctx]), np.array([drafter]))[0])
+
+
+def test_gpu_truth_pads_batches_to_the_captured_cuda_graphs() -> None:
+    truth = _gpu()
+    assert list(truths.padded_batch(np.array([1, 3, 9, 16, 17, 250, 257]))) == [1, 4, 16, 16, 24, 256, 272]
+    # Batches 9..16 run the graph captured for 16: the same GPU time (only the CPU's per-sequence work
+    # differs), then a jump at 17.
+    assert _step(truth, 9) == pytest.approx(_step(truth, 16) - 7 * truths.CPU_SEQ_S, rel=1e-6)
+    assert _step(truth, 17) > _step(truth, 16)
+
+
+def test_gpu_truth_attention_grows_with_context() -> None:
+    truth = _gpu()
+    assert _step(truth, 64, ctx=4000) > 1.5 * _step(truth, 64, ctx=500)
+    # Verifying K + 1 tokens against a long context costs more than against a short one.
+    long_gap = _step(truth, 64, 4, ctx=4000) - _step(truth, 64, 0, ctx=4000)
+    assert long_gap > _step(truth, 64, 4, ctx=500) - _step(truth, 64, 0, ctx=500)
+
+
+def test_gpu_truth_is_not_the_controllers_prior_rescaled() -> None:
+    """The controller's roofline prior is off by a factor that changes with the shape of the step: no
+    single calibration ratio fits every batch size and K."""
+    truth = _gpu()
+    prior = core.ResourceView("ns", "r", SimConfig().resource_spec(), ("p",)).prior(
+        default_drafters()[0].spec
+    )
+    ratios = [_step(truth, b, k, ctx=1024) / prior.step_s(b, int(k)) for b in (1, 32, 256) for k in (0, 4)]
+    assert max(ratios) > 1.3 * min(ratios)
+
+
+def test_library_replays_sequences_cyclically() -> None:
+    # One drafter, both domains the same sequence: accepted 4, 0, 2, nothing drafted.
+    seq = np.array([4, 0, 2, -1], dtype=np.int8)
+    lib = truths.AcceptanceLibrary(
+        np.broadcast_to(seq, (1, 2, 1, 4)).copy(), np.full((1, 2, 1), 4, dtype=np.int64), max_k=4
+    )
+
+    def span(start: float, steps: float) -> truths.Span:
+        return lib.span(np.array([0]), np.array([1]), np.array([0]), np.array([start]), np.array([steps]))
+
+    assert lib.tokens(np.array([2]), span(0, 4))[0] == pytest.approx(3 + 1 + 3 + 1)
+    assert lib.tokens(np.array([2]), span(0, 8))[0] == pytest.approx(16)  # cyclic
+    assert lib.tokens(np.array([4]), span(0, 0.5))[0] == pytest.approx(2.5)  # half of the first step
+    assert lib.tokens(np.array([0]), span(1, 6))[0] == pytest.approx(6)  # K = 0: one token a step
+    assert lib.accepted_at(0, span(0, 4))[0] == 2 and lib.accepted_at(3, span(0, 4))[0] == 1
+    assert lib.proposed(span(0, 4))[0] == 3
+    assert lib.mean_tokens[4, 0, 0, 0] == pytest.approx((5 + 1 + 3 + 1) / 4)
+
+
+def test_gpu_acceptance_is_over_dispersed_correlated_and_drifting() -> None:
+    cfg = SimConfig()
+    lib = make_truth(cfg).library
+    a = lib.accepted[0, 0].astype(float)  # draft model, code: [sequences, steps]
+    per_sequence = a.mean(axis=1)
+    # Sequences differ far more than steps drawn i.i.d. from the pooled distribution would.
+    iid_spread = a.std() / np.sqrt(a.shape[1])
+    assert per_sequence.std() > 5 * iid_spread
+    # Along a sequence, consecutive steps are correlated (easy and hard stretches).
+    centred = a - per_sequence[:, None]
+    lag1 = (centred[:, 1:] * centred[:, :-1]).mean() / centred.var()
+    assert lag1 > 0.1
+    # A hard prompt is hard for both drafters.
+    assert np.corrcoef(per_sequence, lib.accepted[1, 0].astype(float).mean(axis=1))[0, 1] > 0.5
+    # The domains drift: at some hours requests draw easier sequences than at others.
+    shifts = np.array([truths.drift(h * 3600.0, cfg.drift_amplitude, cfg.drift_periods_h) for h in range(24)])
+    assert shifts[:, 0].max() - shifts[:, 0].min() > cfg.drift_amplitude
+    u = np.linspace(0.01, 0.99, 99)
+    assert truths.logit_tilt(u, 1.0).mean() > 0.6 > 0.4 > truths.logit_tilt(u, -1.0).mean()
+
+
+def _recording(path: Path) -> Path:
+    data = {
+        "setup": {"max_num_seqs": 8},
+        "max_k": 2,
+        "batches": [1, 2, 4, 8],
+        "drafters": {"small": "draftModel", "ngram": "ngram"},
+        "step_s": {
+            "off": [[0.010, 0.011, 0.012, 0.016]],
+            "small": [[0.014, 0.016, 0.020, 0.030], [0.016, 0.019, 0.025, 0.040]],
+            "ngram": [[0.011, 0.012, 0.013, 0.017], [0.011, 0.012, 0.014, 0.018]],
+        },
+        "acceptance": {
+            "small": {"code": [[2, 2, 1], [0, 1]], "prose": [[1, 0, 0]]},
+            "ngram": {"code": [[2, -1, 2, 2], [-1]], "prose": [[0, -1]]},
+        },
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_measured_truth_replays_the_recording(tmp_path: Path) -> None:
+    data = truths.load_measured(_recording(tmp_path / "m.json"))
+    truth = truths.MeasuredCpuTruth(data)
+    # Linear in the batch between measured points; K = 0 is the plain step whatever the drafter.
+    assert _step(truth, 3, 1, drafter=0) == pytest.approx((0.016 + 0.020) / 2)
+    assert _step(truth, 8, 0, drafter=1) == pytest.approx(0.016)
+    assert _step(truth, 40, 2, drafter=0) == pytest.approx(0.040)  # beyond the last batch: the last
+    assert truth.prefill_s(np.array([100.0]))[0] == pytest.approx(100 * 0.016 / 8)
+    # Time other processes added is taken out: a step never gets faster as the batch grows.
+    assert list(truths.lower_envelope(np.array([3.0, 1.0, 2.0, 5.0, 4.0]))) == [1.0, 1.0, 2.0, 4.0, 4.0]
+    lib = data.library
+    assert lib.sequences == 1  # the fewest any (drafter, domain) recorded
+    assert list(lib.accepted[1, 0, 0, :4]) == [2, -1, 2, 2] and lib.lengths[0, 1, 0] == 3
+
+
+def test_committed_cpu_recording_is_sane() -> None:
+    data = truths.load_measured(truths.DEFAULT_MEASURED)
+    assert data.step_s.shape == (len(data.drafters), data.max_k + 1, len(data.batches))
+    assert (data.step_s > 0).all() and data.library.sequences >= 8
+    # A model drafter drafting K tokens costs more than plain decoding at every batch size.
+    model = list(data.drafters.values()).index("draftModel")
+    assert (data.step_s[model, data.max_k] > data.step_s[model, 0]).all()
+
+
+# ---- baselines ----------------------------------------------------------------------------------------
+
+
+def test_ema_tiers_move_k_with_accepted_length() -> None:
+    ema = EmaTiers(pods=2, max_k=5)
+    assert list(ema.tiers) == [1, 3, 5] and list(ema.k()) == [5, 5]
+    for _ in range(20):
+        ema.observe(np.array([0.5, 4.0]))  # pod 0: few drafts accepted; pod 1: almost all
+    assert list(ema.k()) == [1, 5]
+    ema.observe(np.array([np.nan, np.nan]))  # no drafts: nothing moves
+    assert list(ema.k()) == [1, 5] and ema.switches == 2
+
+
+def test_bucket_bandit_finds_the_best_k_per_bucket() -> None:
+    bandit = BucketBandit(buckets=2, max_k=3)
+    truth = np.array([[1.0, 1.6, 1.9, 1.7], [1.0, 0.9, 0.7, 0.5]])  # bucket 0: K = 2; bucket 1: off
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        buckets = np.array([0, 1, 0, 1])
+        k = bandit.choose(buckets)
+        bandit.observe(buckets, k, truth[buckets, k] * rng.uniform(0.97, 1.03, size=4))
+    picks = [bandit.choose(np.array([b] * 50)) for b in (0, 1)]
+    assert np.bincount(picks[0], minlength=4).argmax() == 2
+    assert np.bincount(picks[1], minlength=4).argmax() == 0
+
+
+def test_static_candidates_sweep_cutoffs_and_k() -> None:
+    goodput = np.array(
+        [
+            [[10, 20, 25, 24], [10, 14, 13, 12], [10, 9, 8, 7]],  # pays at bucket 0 (K = 2), 1 (K = 1), not 2
+            [[10, 12, 11, 10], [10, 11, 10, 9], [10, 10.5, 9, 8]],
+        ]
+    )
+    tables = static_candidates(goodput)
+    values = set(tables.values())
+    assert StaticTable(0, (2, 1, 0)) in values  # best K per bucket, cut at the break-even
+    assert StaticTable(0, (2, 0, 0)) in values  # … one bucket earlier
+    assert StaticTable(0, (2, 1, 1)) in values  # … never cut
+    assert StaticTable(0, (3, 3, 0)) in values  # one K below the drafter's break-even
+    assert StaticTable(1, (1, 1, 1)) in values  # drafter 1 pays everywhere
+    assert StaticTable(0, (0, 0, 0)) in values  # no speculation at all
+    assert len(values) == len(tables)  # no table twice
+
+
+def test_a_saturated_fleet_sheds_without_stopping_the_others(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fleet, "POOL", 256)
+    trace = _constant(tmp_path, rate=150.0, seconds=120)
+    cfg = SimConfig(pods=1, max_num_seqs=16, quantum_s=1.0, policies=("off", "oracle"))
+    sim = FleetSim(cfg, trace)
+    results = sim.run()
+    assert sim.saturated.all() and results["off"].dropped > 0
 
 
 def test_same_requests_reach_every_policy(tmp_path: Path) -> None:
@@ -100,8 +288,17 @@ def test_controller_does_not_lose_to_plain_decoding_under_load(tmp_path: Path) -
     s = {name: r.summary(trace.duration_s) for name, r in sim.run().items()}
     assert s["specserve"]["tpot_mean_ms"] < s["off"]["tpot_mean_ms"]
     assert s["specserve"]["tpot_mean_ms"] < s["static_on"]["tpot_mean_ms"]
-    # The controller measured the high buckets and switched speculation off (or down) where it costs.
-    assert sim.state.k_by_bucket["+Inf"] < sim.state.k_by_bucket["1"]
+    # The controller measured the high buckets and turned K down (or off) where verifying costs most.
+    assert sim.state.k_by_bucket["+Inf"] < 3
+
+
+def test_every_policy_runs_on_the_measured_cpu_truth(tmp_path: Path) -> None:
+    trace = _constant(tmp_path, rate=2.0, seconds=300)
+    cfg = measured_cpu_config(pods=2, quantum_s=1.0, policies=fleet.POLICIES)
+    s = {name: r.summary(trace.duration_s) for name, r in FleetSim(cfg, trace).run().items()}
+    assert set(s) == set(fleet.POLICIES) and all(r["requests"] > 100 for r in s.values())
+    assert s["oracle"]["tpot_mean_ms"] < s["off"]["tpot_mean_ms"]
+    assert s["bandit"]["switches"] > 0
 
 
 def test_simulate_command(tmp_path: Path, capsys) -> None:
@@ -110,4 +307,5 @@ def test_simulate_command(tmp_path: Path, capsys) -> None:
     assert specserve(["simulate", "--trace", str(tmp_path / "t.csv"), "--pods", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "specserve" in printed and "oracle" in printed and out.exists()
+    assert json.loads(out.read_text())["truth"] == "gpu"
     assert specserve(["simulate", "--trace", str(tmp_path / "missing.csv")]) == 2

@@ -1,48 +1,47 @@
 """A fleet simulator that the real controller drives: metrics in, policy out, simulated time.
 
 Every policy runs its own fleet of pods on the same arrivals (common random numbers), all fleets side by
-side in one set of arrays so a 24-hour trace simulates in about a minute. Time advances in quanta of
-`quantum_s`; within a quantum each pod's batch is fixed: continuous batching admits waiting requests
-into free slots, prefill takes its share of the quantum (chunked prefill), and decode runs
-quantum/T(B, K) steps, each giving every sequence E(K) tokens in expectation for its traffic domain.
+side in one set of arrays. Time advances in quanta of `quantum_s`; within a quantum each pod's batch is
+fixed: continuous batching admits waiting requests into free slots, prefill takes its share of the
+quantum (chunked prefill), and decode runs quantum/T(B, K) steps. Each sequence replays its own
+acceptance sequence step by step (truths.AcceptanceLibrary), so tokens per step differ between sequences
+and along each one.
 
-The true step time is the controller's roofline (costmodel.py) with what a prior does not know: HBM
-efficiency below the figure the prior assumes, and a fixed plus proportional cost of every speculative
-step (rejection sampling, ragged-batch bookkeeping). The controller has to learn those from the
-metrics, exactly as it would from Prometheus: the `specserve` fleet's counters are folded into the
-same observation rows (`observations.build_snapshot`) that the Prometheus reader produces.
+The truth (truths.py: `gpu` or `measured-cpu`) is not the controller's cost model: the controller has to
+learn it from the metrics, exactly as it would from Prometheus. The `specserve` fleet's counters are
+folded into the same observation rows (`observations.build_snapshot`) that the Prometheus reader produces.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from specserve_engine.buckets import DEFAULT_BUCKETS, bucket_labels
 from specserve_operator.api.models import DrafterSpec, SpeculativeServingSpec
+from specserve_operator.simulator import truths
+from specserve_operator.simulator.baselines import BucketBandit, EmaTiers, StaticTable
 from specserve_operator.simulator.traces import Trace
-from specserve_operator.tuner import core
-from specserve_operator.tuner import observations as ob
+from specserve_operator.tuner import core, observations
 from specserve_operator.tuner import policy as pol
-from specserve_operator.tuner.costmodel import DrafterCost, drafter_cost, gpu_spec, model_shape
 
-POLICIES = ("off", "static_on", "static_table", "specserve", "oracle")
-DOMAINS = ("code", "prose")
-STATIC_K = 5
-STATIC_TABLE_OFF_AT = 32
+POLICIES = ("off", "static_on", "sglang", "bandit", "specserve", "oracle")
+TRUTHS = ("gpu", "measured-cpu")
 POOL = 1 << 17  # requests per pod that may wait in some fleet's backlog while another fleet has served them
 
 
 @dataclass(frozen=True)
 class DrafterProfile:
-    """A drafter and its true conditional acceptance per position, per traffic domain."""
+    """A drafter and, for the `gpu` truth, its mean conditional acceptance per position and domain."""
 
     spec: DrafterSpec
-    alphas: dict[str, tuple[float, ...]]
+    alphas: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def flat(alpha: float, n: int = 16) -> tuple[float, ...]:
@@ -84,13 +83,22 @@ class SimConfig:
     drafters: tuple[DrafterProfile, ...] = field(default_factory=default_drafters)
     prompt_mean: tuple[float, float] = (900.0, 500.0)  # code, prose
     output_mean: tuple[float, float] = (300.0, 400.0)
-    hbm_efficiency: float = 0.92  # of the prior's bandwidth
-    spec_overhead_s: float = 4.0e-4  # per speculative step
-    spec_overhead_frac: float = 0.08  # of the verify step
+    truth: str = "gpu"  # gpu | measured-cpu
+    measured_path: str | None = None  # the measured-cpu recording (default: benchmarks/truths/)
+    # gpu truth, acceptance: per-sequence spread (logit σ), easy/hard stretches (logit ±shift, P(stay)
+    # per step), and the drift of each domain's difficulty over the day (logit amplitude, periods).
+    dispersion: float = 1.0
+    regime_shift: float = 0.8
+    regime_stay: float = 0.95
+    drift_amplitude: float = 0.8
+    drift_periods_h: tuple[float, float] = (5.0, 7.0)
     evaluation_interval_s: float = 30.0
     window_s: float = 300.0
     seed: int = 1
     policies: tuple[str, ...] = POLICIES
+    # Static tables by policy name (any name; `static_on` is built in: the first drafter at its K).
+    static_tables: dict[str, StaticTable] = field(default_factory=dict)
+    baseline_drafter: int = 0  # the drafter the sglang and bandit fleets run
 
     def resource_spec(self) -> SpeculativeServingSpec:
         return SpeculativeServingSpec.model_validate(
@@ -108,6 +116,54 @@ class SimConfig:
         )
 
 
+def measured_cpu_config(path: str | Path | None = None, **overrides: object) -> SimConfig:
+    """The configuration that matches the measured-cpu recording: its drafters (sidecar-hosted), its
+    engines' max_num_seqs, and requests of the sizes the tiny engines served. The controller is told a
+    GPU (its prior is a GPU roofline, far from a CPU): it has to learn the CPU from the metrics."""
+    path = Path(path) if path else truths.DEFAULT_MEASURED
+    data = json.loads(path.read_text())
+    drafters = []
+    for name, method in data["drafters"].items():
+        source = f"pvc://models/{name}" if method != "ngram" else None
+        spec = {"name": name, "method": method, "maxSpeculativeTokens": data["max_k"], "placement": "sidecar"}
+        drafters.append(
+            DrafterProfile(DrafterSpec.model_validate(spec | ({"source": source} if source else {})))
+        )
+    settings: dict = {
+        "truth": "measured-cpu",
+        "measured_path": str(path),
+        "model": "tiny-target",
+        "max_num_seqs": int(data["setup"]["max_num_seqs"]),
+        "drafters": tuple(drafters),
+        "prompt_mean": (40.0, 40.0),
+        "output_mean": (120.0, 160.0),
+    }
+    return SimConfig(**(settings | overrides))  # type: ignore[arg-type]
+
+
+def make_truth(cfg: SimConfig) -> truths.GpuTruth | truths.MeasuredCpuTruth:
+    if cfg.truth == "gpu":
+        max_k = max(d.spec.max_speculative_tokens for d in cfg.drafters)
+        library = truths.synthetic_library(
+            [d.alphas for d in cfg.drafters],
+            max_k,
+            cfg.dispersion,
+            cfg.regime_shift,
+            cfg.regime_stay,
+            seed=cfg.seed + 1000,
+        )
+        return truths.GpuTruth(cfg.gpu, cfg.model, [d.spec.method for d in cfg.drafters], library)
+    if cfg.truth == "measured-cpu":
+        data = truths.load_measured(cfg.measured_path or truths.DEFAULT_MEASURED)
+        names = [d.spec.name for d in cfg.drafters]
+        if names != list(data.drafters):
+            raise ValueError(
+                f"measured-cpu truth: drafters {names} differ from the recording's {list(data.drafters)}"
+            )
+        return truths.MeasuredCpuTruth(data)
+    raise ValueError(f"unknown truth {cfg.truth!r} (known: {', '.join(TRUTHS)})")
+
+
 @dataclass
 class FleetResult:
     policy: str
@@ -115,15 +171,18 @@ class FleetResult:
     hourly_tokens: list[float] = field(default_factory=list)
     tpot_s: list[np.ndarray] = field(default_factory=list)
     tpot_hour: list[np.ndarray] = field(default_factory=list)
+    wait_s: list[np.ndarray] = field(default_factory=list)
     switches: int = 0
     decisions: dict[str, int] = field(default_factory=dict)
     batch_sum: float = 0.0  # pod batch sizes summed over quanta (for the mean)
     batch_samples: int = 0
     batch_max: int = 0
+    dropped: int = 0  # requests dropped once the fleet fell a whole request pool behind (saturated)
 
     def summary(self, duration_s: float) -> dict:
         tpot = np.concatenate(self.tpot_s) if self.tpot_s else np.zeros(0)
         hours = np.concatenate(self.tpot_hour) if self.tpot_hour else np.zeros(0, dtype=int)
+        wait = np.concatenate(self.wait_s) if self.wait_s else np.zeros(0)
         hourly = []
         for h, tokens in enumerate(self.hourly_tokens):
             span = min(3600.0, duration_s - 3600.0 * h)
@@ -131,16 +190,18 @@ class FleetResult:
             hourly.append(
                 {
                     "hour": h,
-                    "goodput_tokens_per_s": round(tokens / span, 2) if span > 0 else 0.0,
-                    "tpot_mean_ms": round(float(sel.mean()) * 1e3, 3) if sel.size else None,
-                    "tpot_p95_ms": round(float(np.percentile(sel, 95)) * 1e3, 3) if sel.size else None,
+                    "tokens_per_s": round(tokens / span, 2) if span > 0 else 0.0,
+                    "tpot_mean_ms": _ms(sel.mean()) if sel.size else None,
+                    "tpot_p95_ms": _ms(np.percentile(sel, 95)) if sel.size else None,
                 }
             )
         out = {
-            "goodput_tokens_per_s": round(self.tokens / duration_s, 2),
-            "tpot_mean_ms": round(float(tpot.mean()) * 1e3, 3) if tpot.size else None,
-            "tpot_p95_ms": round(float(np.percentile(tpot, 95)) * 1e3, 3) if tpot.size else None,
+            "tokens_per_s": round(self.tokens / duration_s, 2),
+            "tpot_mean_ms": _ms(tpot.mean()) if tpot.size else None,
+            "tpot_p95_ms": _ms(np.percentile(tpot, 95)) if tpot.size else None,
+            "wait_p95_ms": _ms(np.percentile(wait, 95)) if wait.size else None,
             "requests": int(tpot.size),
+            "dropped": self.dropped,
             "switches": self.switches,
             "batch_mean": round(self.batch_sum / self.batch_samples, 2) if self.batch_samples else 0.0,
             "batch_max": self.batch_max,
@@ -151,92 +212,47 @@ class FleetResult:
         return out
 
 
-class _Truth:
-    """The simulated hardware: true step times and true acceptance, vectorised."""
-
-    def __init__(self, cfg: SimConfig) -> None:
-        self.model = model_shape(cfg.model)
-        gpu = gpu_spec(cfg.gpu)
-        self.flops = gpu.flops_per_s
-        self.bw = gpu.hbm_bytes_per_s * cfg.hbm_efficiency
-        self.overhead = gpu.step_overhead_s
-        self.cfg = cfg
-        self.costs: list[DrafterCost] = [drafter_cost(d.spec.method) for d in cfg.drafters]
-        self.max_k = max(d.spec.max_speculative_tokens for d in cfg.drafters)
-        nd = len(cfg.drafters)
-        # E[d, domain, k] and survival S[d, domain, j] = Π_{i≤j} α_i (j 0-based).
-        self.surv = np.zeros((nd, 2, self.max_k))
-        self.exp = np.ones((nd, 2, self.max_k + 1))
-        self.k_cap = np.array([d.spec.max_speculative_tokens for d in cfg.drafters])
-        for i, d in enumerate(cfg.drafters):
-            for j, dom in enumerate(DOMAINS):
-                s = np.cumprod(np.array(d.alphas[dom][: self.max_k]))
-                self.surv[i, j] = s
-                self.exp[i, j, 1:] = 1.0 + np.cumsum(s)
-
-    def verify_s(self, batch: np.ndarray, n: np.ndarray, ctx: np.ndarray) -> np.ndarray:
-        m = self.model
-        tokens = batch * n
-        flops = 2.0 * m.params * tokens + 4.0 * m.layers * m.hidden * ctx * tokens
-        moved = m.weight_bytes + batch * (ctx + n) * m.kv_bytes_per_token
-        return np.maximum(flops / self.flops, moved / self.bw) + self.overhead
-
-    def step_s(self, batch: np.ndarray, k: np.ndarray, ctx: np.ndarray, drafter: np.ndarray) -> np.ndarray:
-        verify = self.verify_s(batch, k + 1.0, ctx)
-        spec = k > 0
-        draft = np.zeros(np.broadcast(batch, k, drafter).shape)
-        for i, cost in enumerate(self.costs):
-            sel = np.broadcast_to(drafter == i, draft.shape)
-            if not sel.any():
-                continue
-            if cost.kind == "cpu" or cost.shape is None:
-                d = cost.cpu_s_per_token * batch * k
-            else:
-                s = cost.shape
-                one = (
-                    np.maximum(
-                        2.0 * s.params * batch / self.flops,
-                        (s.weight_bytes + batch * ctx * s.kv_bytes_per_token) / self.bw,
-                    )
-                    + cost.step_overhead_s
-                )
-                d = one * (1.0 if cost.kind == "parallel" else k)
-            draft = np.where(sel, np.broadcast_to(d, draft.shape), draft)
-        extra = np.where(spec, self.cfg.spec_overhead_s + self.cfg.spec_overhead_frac * verify, 0.0)
-        return verify + draft * spec + extra
-
-    def prefill_s(self, prompt_tokens: np.ndarray) -> np.ndarray:
-        return prompt_tokens * 2.0 * self.model.params / self.flops
+def _ms(seconds: float) -> float:
+    return round(float(seconds) * 1e3, 3)
 
 
 class FleetSim:
     def __init__(self, cfg: SimConfig, trace: Trace) -> None:
         self.cfg = cfg
         self.trace = trace
-        self.truth = _Truth(cfg)
+        self.truth = make_truth(cfg)
+        self.library = self.truth.library
         self.rng = np.random.default_rng(cfg.seed)
         self.policies = cfg.policies
-        nf, p, s = len(self.policies), cfg.pods, cfg.max_num_seqs
-        self.rows = nf * p
-        self.rem = np.zeros((self.rows, s))
-        self.gen = np.zeros((self.rows, s))
-        self.out = np.zeros((self.rows, s))
-        self.prompt = np.zeros((self.rows, s))
-        self.dom = np.zeros((self.rows, s), dtype=np.int8)
-        self.start = np.zeros((self.rows, s))
-        self.backlog = np.zeros(self.rows, dtype=np.int64)
-        # Requests per pod in arrival order, shared by the fleets (a ring: the fleets' progress through
-        # it differs by at most their backlogs).
-        self.pool_dom = np.zeros((cfg.pods, POOL), dtype=np.int8)
-        self.pool_prompt = np.zeros((cfg.pods, POOL), dtype=np.float32)
-        self.pool_out = np.zeros((cfg.pods, POOL), dtype=np.float32)
-        self.produced = np.zeros(cfg.pods, dtype=np.int64)
-        self.consumed = np.zeros(self.rows, dtype=np.int64)
-        self.rr = 0
         self.bounds = np.array(DEFAULT_BUCKETS)
         self.labels = bucket_labels(DEFAULT_BUCKETS)
         self.nb = len(self.labels)
         nd = len(cfg.drafters)
+        self.k_cap = np.array([min(d.spec.max_speculative_tokens, self.library.max_k) for d in cfg.drafters])
+        self.max_k = int(self.k_cap.max())
+        self.static = {"static_on": StaticTable(0, (int(self.k_cap[0]),) * self.nb), **cfg.static_tables}
+        unknown = [p for p in self.policies if p not in self.static and p not in POLICIES]
+        if unknown:
+            raise ValueError(f"unknown policies {unknown} (known: {', '.join(POLICIES)} and static tables)")
+        nf, p, s = len(self.policies), cfg.pods, cfg.max_num_seqs
+        self.rows = nf * p
+        shape = (self.rows, s)
+        self.rem, self.gen, self.out = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        self.prompt, self.start, self.cursor = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        self.dom = np.zeros(shape, dtype=np.int64)
+        self.seq = np.zeros(shape, dtype=np.int64)
+        self.backlog = np.zeros(self.rows, dtype=np.int64)
+        # Requests per pod in arrival order, shared by the fleets (a ring: the fleets' progress through
+        # it differs by at most their backlogs).
+        self.pool_dom = np.zeros((p, POOL), dtype=np.int8)
+        self.pool_seq = np.zeros((p, POOL), dtype=np.int32)
+        self.pool_prompt = np.zeros((p, POOL), dtype=np.float32)
+        self.pool_out = np.zeros((p, POOL), dtype=np.float32)
+        self.pool_arrival = np.zeros((p, POOL))
+        self.produced = np.zeros(p, dtype=np.int64)
+        self.consumed = np.zeros(self.rows, dtype=np.int64)
+        self.saturated = np.zeros(nf, dtype=bool)
+        self.rr = 0
         self.results = {name: FleetResult(name) for name in self.policies}
         hours = math.ceil(trace.duration_s / 3600.0)
         for r in self.results.values():
@@ -245,10 +261,11 @@ class FleetSim:
         self.drafter = np.zeros(self.rows, dtype=np.int64)
         self.ktab = np.zeros((self.rows, self.nb), dtype=np.int64)
         self.prev_choice = np.full(self.rows, -1, dtype=np.int64)
+        self.sglang = EmaTiers(p, int(self.k_cap[cfg.baseline_drafter]))
+        self.bandit = BucketBandit(self.nb, int(self.k_cap[cfg.baseline_drafter]))
         # The specserve fleet's counters, cumulative, as a Prometheus target would export them.
         self.spec_rows = self._rows_of("specserve")
-        ns = len(self.spec_rows)
-        mk = self.truth.max_k
+        ns, mk = len(self.spec_rows), self.max_k
         self.c_steps = np.zeros((ns, self.nb, 2))
         self.c_secs = np.zeros((ns, self.nb, 2))
         self.c_tokens = np.zeros((ns, self.nb, 2))
@@ -260,7 +277,7 @@ class FleetSim:
         self.running = np.zeros(ns)
         self.history: deque = deque()
         self.spec = cfg.resource_spec()
-        self.pod_names = tuple(f"sim-{i}" for i in range(cfg.pods))
+        self.pod_names = tuple(f"sim-{i}" for i in range(p))
         self.view = core.ResourceView("sim", "fleet", self.spec, self.pod_names)
         self.state = core.ResourceState.initial(self.spec)
         self.ratios = pol.RatioMemory()  # as FleetController: step-time ratios remembered across ticks
@@ -290,36 +307,40 @@ class FleetSim:
             )
         )
 
-    def _rows(self, now_c: tuple, old_c: tuple) -> list[ob.Row]:
+    def _rows(self, now_c: tuple, old_c: tuple) -> list[observations.Row]:
         d = [a - b for a, b in zip(now_c, old_c, strict=True)]
         steps, secs, tokens, drafts, dtok, acc, acc_pos, prop_pos = d
-        rows: list[ob.Row] = []
+        rows: list[observations.Row] = []
         for i, pod in enumerate(self.pod_names):
             base = {"namespace": "sim", "pod": pod}
             drafter = self.names[self.drafter[self.spec_rows[i]]]
             rows.append(
-                (ob.POLICY_INFO, {**base, "drafter": drafter, "mode": "on", "policy_version": "0"}, 1.0)
+                (
+                    observations.POLICY_INFO,
+                    {**base, "drafter": drafter, "mode": "on", "policy_version": "0"},
+                    1.0,
+                )
             )
-            rows.append((ob.RUNNING, base, float(self.running[i])))
+            rows.append((observations.RUNNING, base, float(self.running[i])))
             for b, label in enumerate(self.labels):
                 for s, flag in ((0, "false"), (1, "true")):
                     if steps[i, b, s] > 0:
                         lab = {**base, "bucket": label, "speculating": flag}
-                        rows.append((ob.STEPS, lab, steps[i, b, s]))
-                        rows.append((ob.STEP_SECONDS, lab, secs[i, b, s]))
-                        rows.append((ob.TOKENS, lab, tokens[i, b, s]))
+                        rows.append((observations.STEPS, lab, steps[i, b, s]))
+                        rows.append((observations.STEP_SECONDS, lab, secs[i, b, s]))
+                        rows.append((observations.TOKENS, lab, tokens[i, b, s]))
                 for j, name in enumerate(self.names):
                     if drafts[i, j, b] <= 0:
                         continue
                     lab = {**base, "bucket": label, "drafter": name}
-                    rows.append((ob.DRAFTS, lab, drafts[i, j, b]))
-                    rows.append((ob.DRAFT_TOKENS, lab, dtok[i, j, b]))
-                    rows.append((ob.ACCEPTED, lab, acc[i, j, b]))
+                    rows.append((observations.DRAFTS, lab, drafts[i, j, b]))
+                    rows.append((observations.DRAFT_TOKENS, lab, dtok[i, j, b]))
+                    rows.append((observations.ACCEPTED, lab, acc[i, j, b]))
                     for pos in range(acc_pos.shape[3]):
                         if prop_pos[i, j, b, pos] > 0:
                             pl = {**lab, "position": str(pos)}
-                            rows.append((ob.ACCEPTED_POS, pl, acc_pos[i, j, b, pos]))
-                            rows.append((ob.PROPOSED_POS, pl, prop_pos[i, j, b, pos]))
+                            rows.append((observations.ACCEPTED_POS, pl, acc_pos[i, j, b, pos]))
+                            rows.append((observations.PROPOSED_POS, pl, prop_pos[i, j, b, pos]))
         return rows
 
     def _tick(self, now: float) -> None:
@@ -330,12 +351,12 @@ class FleetSim:
         old = self.history[0][1]
         window = max(now - self.history[0][0], self.cfg.evaluation_interval_s)
         t0 = time.perf_counter()
-        snapshot = ob.build_snapshot(self._rows(current, old), window)
+        snapshot = observations.build_snapshot(self._rows(current, old), window)
         mixed = {("sim", pod) for pod in self.state.switched_pods(now, self.cfg.window_s)}
         costs = core.FleetCosts([self.view], snapshot, mixed, self.ratios, now)
         if len(self.history) == 1:
             # The first tick has no window yet: every pod is missing, and the controller holds.
-            snapshot = ob.FleetSnapshot(window_s=window)
+            snapshot = observations.FleetSnapshot(window_s=window)
         decision = core.decide(self.view, snapshot, self.state, costs, now)
         self.controller_s += time.perf_counter() - t0
         res = self.results["specserve"]
@@ -356,48 +377,42 @@ class FleetSim:
 
     # ---- the fleets ----------------------------------------------------------------------------------
     def _policy_k(
-        self, batch: np.ndarray, n_code: np.ndarray, ctx: np.ndarray
+        self, batch: np.ndarray, bidx: np.ndarray, ctx: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         k = np.zeros(self.rows, dtype=np.int64)
         d = self.drafter.copy()
-        bidx = np.searchsorted(self.bounds, batch, side="left")
         for f, name in enumerate(self.policies):
             sl = slice(f * self.cfg.pods, (f + 1) * self.cfg.pods)
-            if name == "static_on":
-                k[sl] = min(STATIC_K, self.truth.k_cap[0])
-                d[sl] = 0
-            elif name == "static_table":
-                k[sl] = np.where(batch[sl] >= STATIC_TABLE_OFF_AT, 0, min(STATIC_K, self.truth.k_cap[0]))
-                d[sl] = 0
+            if name in self.static:
+                table = self.static[name]
+                k[sl], d[sl] = np.array(table.k_by_bucket)[bidx[sl]], table.drafter
+            elif name == "sglang":
+                k[sl], d[sl] = self.sglang.k(), self.cfg.baseline_drafter
+            elif name == "bandit":
+                k[sl], d[sl] = self.bandit.choose(bidx[sl]), self.cfg.baseline_drafter
             elif name == "specserve":
-                rows = np.arange(sl.start, sl.stop)
-                k[sl] = self.ktab[rows, bidx[sl]]
+                k[sl] = self.ktab[np.arange(sl.start, sl.stop), bidx[sl]]
             elif name == "oracle":
-                kk, dd = self._oracle(batch[sl], n_code[sl], ctx[sl])
-                k[sl], d[sl] = kk, dd
+                k[sl], d[sl] = self._oracle(sl, batch[sl], ctx[sl])
         return k, d
 
-    def _oracle(
-        self, batch: np.ndarray, n_code: np.ndarray, ctx: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The best (drafter, K) for each pod's actual batch and traffic mix, knowing the truth."""
-        nd, mk = len(self.cfg.drafters), self.truth.max_k
+    def _oracle(self, sl: slice, batch: np.ndarray, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The best (drafter, K) for each pod's actual batch, knowing the truth: the step time and the
+        mean acceptance of every sequence in the batch."""
+        nd, mk = len(self.cfg.drafters), self.max_k
+        active = self.rem[sl] > 0
+        mean = self.library.mean_tokens[: mk + 1, :, self.dom[sl], self.seq[sl]]  # [K+1, nd, pods, slots]
+        tokens = (mean * active).sum(axis=-1).transpose(2, 1, 0)  # [pods, nd, K+1]
         ks = np.arange(mk + 1)[None, None, :]
         ds = np.arange(nd)[None, :, None]
-        b = batch[:, None, None].astype(float)
-        c = ctx[:, None, None]
-        t = self.truth.step_s(b, ks.astype(float), c, ds)
-        e = self.truth.exp  # [d, dom, k]
-        nc = n_code[:, None, None]
-        tokens = nc * e[None, :, 0, :] + (b - nc) * e[None, :, 1, :]
-        good = tokens / t
-        good = np.where(ks <= self.truth.k_cap[None, :, None], good, -np.inf)
+        t = self.truth.step_s(batch[:, None, None].astype(float), ks, ctx[:, None, None], ds)
+        good = np.where(ks <= self.k_cap[None, :, None], tokens / t, -np.inf)
         # One drafter for the whole fleet at a time (as pods run one drafter each, switched by the
         # controller), the one with the most goodput right now; K per pod and step.
         best_d = int(np.where(batch[:, None] > 0, good.max(axis=2), 0.0).sum(axis=0).argmax())
         return good[:, best_d, :].argmax(axis=1), np.full(len(batch), best_d)
 
-    def _arrive(self, per_pod: np.ndarray, code_frac: float) -> None:
+    def _arrive(self, t: float, per_pod: np.ndarray, code_frac: float) -> None:
         total = int(per_pod.sum())
         if total == 0:
             return
@@ -407,22 +422,41 @@ class FleetSim:
         om = np.array(cfg.output_mean)[dom]
         prompt = np.maximum(16.0, self.rng.lognormal(np.log(pm) - 0.32, 0.8))
         out = np.maximum(8.0, np.round(self.rng.lognormal(np.log(om) - 0.32, 0.8)))
+        # Which acceptance sequence each request replays: a draw tilted by its domain's drift now.
+        shift = (
+            truths.drift(t, cfg.drift_amplitude, cfg.drift_periods_h) if cfg.truth == "gpu" else np.zeros(2)
+        )
+        u = truths.logit_tilt(self.rng.random(total), shift[dom])
+        seq = np.minimum((u * self.library.sequences).astype(np.int64), self.library.sequences - 1)
         pod = np.repeat(np.arange(cfg.pods), per_pod)
         offset = np.arange(total) - np.repeat(np.cumsum(per_pod) - per_pod, per_pod)
         idx = (self.produced[pod] + offset) % POOL
         self.pool_dom[pod, idx] = dom
+        self.pool_seq[pod, idx] = seq
         self.pool_prompt[pod, idx] = prompt
         self.pool_out[pod, idx] = out
+        self.pool_arrival[pod, idx] = t + self.rng.random(total) * cfg.quantum_s
         self.produced += per_pod
-        lag = self.produced[np.arange(self.rows) % cfg.pods] - self.consumed
-        if int(lag.max()) >= POOL:
-            raise RuntimeError("simulator: a fleet fell more than the request pool behind (overload)")
+
+    def _shed(self) -> None:
+        """A fleet that fell a whole request pool behind is saturated: its waiting requests are dropped
+        (counted), so the shared pool stays valid for the fleets that keep up."""
+        p = self.cfg.pods
+        lag = self.produced[np.arange(self.rows) % p] - self.consumed
+        for f, name in enumerate(self.policies):
+            rows = slice(f * p, (f + 1) * p)
+            if int(lag[rows].max()) >= POOL // 2:
+                self.saturated[f] = True
+                self.results[name].dropped += int(self.backlog[rows].sum())
+                self.backlog[rows] = 0
+                self.consumed[rows] = self.produced
 
     def run(self) -> dict[str, FleetResult]:
         cfg, q = self.cfg, self.cfg.quantum_s
         p, s = cfg.pods, cfg.max_num_seqs
         nf = len(self.policies)
         spec_rows = self.spec_rows
+        fleet_of_row = np.arange(self.rows) // p
         next_tick = 0.0
         steps_n = math.ceil(self.trace.duration_s / q)
         for n in range(steps_n):
@@ -437,8 +471,9 @@ class FleetSim:
             extra = arrivals % p
             per_pod[(np.arange(p) - self.rr) % p < extra] += 1
             self.rr = (self.rr + arrivals) % p
-            self._arrive(per_pod, code_frac)
+            self._arrive(t, per_pod, code_frac)
             self.backlog += np.tile(per_pod, nf)
+            self._shed()
 
             active = self.rem > 0
             free = s - active.sum(axis=1)
@@ -453,33 +488,51 @@ class FleetSim:
                 new_rows, _ = np.nonzero(new)
                 idx = (self.consumed[new_rows] + rank[new] - 1) % POOL
                 pod = new_rows % p
-                dom = self.pool_dom[pod, idx]
-                prompt = self.pool_prompt[pod, idx]
-                out = self.pool_out[pod, idx]
                 self.consumed += admit
+                out = self.pool_out[pod, idx]
                 self.rem[new] = out
                 self.out[new] = out
                 self.gen[new] = 0.0
-                self.prompt[new] = prompt
-                self.dom[new] = dom
+                self.cursor[new] = 0.0
+                self.prompt[new] = self.pool_prompt[pod, idx]
+                self.dom[new] = self.pool_dom[pod, idx]
+                self.seq[new] = self.pool_seq[pod, idx]
                 prompt_rows = np.zeros_like(self.rem)
-                prompt_rows[new] = prompt
+                prompt_rows[new] = self.prompt[new]
                 prefill = self.truth.prefill_s(prompt_rows.sum(axis=1))
-                self.start[new] = np.broadcast_to((t + np.minimum(prefill, q))[:, None], self.rem.shape)[new]
+                started = t + np.minimum(prefill, q)
+                self.start[new] = started[new_rows]
+                waits = np.maximum(0.0, started[new_rows] - self.pool_arrival[pod, idx])
+                fleet_new = new_rows // p
+                for f, name in enumerate(self.policies):
+                    self.results[name].wait_s.append(waits[fleet_new == f])
                 active = self.rem > 0
             decode = np.maximum(0.0, q - prefill)
             batch = active.sum(axis=1)
-            code_mask = active & (self.dom == 0)
-            n_code = code_mask.sum(axis=1)
+            bidx = np.searchsorted(self.bounds, batch, side="left")
             ctx_sum = ((self.prompt + self.gen) * active).sum(axis=1)
             ctx = np.where(batch > 0, ctx_sum / np.maximum(batch, 1), 0.0)
-            k, d = self._policy_k(batch, n_code, ctx)
-            k = np.minimum(k, self.truth.k_cap[d])
+            k, d = self._policy_k(batch, bidx, ctx)
+            k = np.minimum(k, self.k_cap[d])
             step = self.truth.step_s(batch.astype(float), k.astype(float), ctx, d)
             steps = np.where(batch > 0, decode / step, 0.0)
-            e_rows = self.truth.exp[d, :, k]  # [rows, 2]
-            per_seq = steps[:, None] * np.where(self.dom == 0, e_rows[:, :1], e_rows[:, 1:2])
-            gain = np.where(active, per_seq, 0.0)
+
+            r_act, s_act = np.nonzero(active)
+            slot_steps = steps[r_act]
+            span = self.library.span(
+                d[r_act],
+                self.dom[r_act, s_act],
+                self.seq[r_act, s_act],
+                self.cursor[r_act, s_act],
+                slot_steps,
+            )
+            gain = np.zeros_like(self.rem)
+            gain[r_act, s_act] = self.library.tokens(k[r_act], span)
+            drafting = k[r_act] > 0
+            proposed = np.zeros(len(r_act))
+            proposed[drafting] = self.library.proposed(self.library.select(span, drafting))
+            self.cursor[r_act, s_act] += slot_steps
+
             done = active & (self.rem <= gain)
             produced = np.where(done, self.rem, gain)
             row_tokens = produced.sum(axis=1)
@@ -489,16 +542,16 @@ class FleetSim:
                 tpot = (finish - self.start) / np.maximum(self.out, 1.0)
                 rows_done, _ = np.nonzero(done)
                 vals = tpot[done]
-                fleet_of = rows_done // p
+                fleet_done = rows_done // p
                 for f, name in enumerate(self.policies):
-                    sel = fleet_of == f
+                    sel = fleet_done == f
                     if sel.any():
                         r = self.results[name]
                         r.tpot_s.append(vals[sel])
                         r.tpot_hour.append(np.full(int(sel.sum()), hour))
             self.rem = np.where(done, 0.0, self.rem - gain)
             self.gen += np.where(done, 0.0, gain)
-            fleet_tokens = row_tokens.reshape(nf, p).sum(axis=1)
+            fleet_tokens = np.bincount(fleet_of_row, weights=row_tokens, minlength=nf)
             for f, name in enumerate(self.policies):
                 r = self.results[name]
                 r.tokens += fleet_tokens[f]
@@ -507,55 +560,111 @@ class FleetSim:
                 r.batch_sum += float(fleet_batch.sum())
                 r.batch_samples += p
                 r.batch_max = max(r.batch_max, int(fleet_batch.max()))
-            if "oracle" in self.policies:
-                o = self._rows_of("oracle")
-                choice = d[o] * 100 + k[o]
-                self.results["oracle"].switches += int((choice != self.prev_choice[o]).sum())
-                self.prev_choice[o] = choice
+            self._adapt(batch, bidx, k, d, steps, decode, gain, proposed, r_act)
             if len(spec_rows):
-                self._count(spec_rows, batch, n_code, k, d, steps, decode, row_tokens)
+                self._count(spec_rows, batch, bidx, k, d, steps, decode, row_tokens, span, proposed, r_act)
+        for name in ("sglang", "bandit"):
+            if name in self.results:
+                self.results[name].switches = getattr(self, name).switches
         return self.results
+
+    def _adapt(
+        self,
+        batch: np.ndarray,
+        bidx: np.ndarray,
+        k: np.ndarray,
+        d: np.ndarray,
+        steps: np.ndarray,
+        decode: np.ndarray,
+        gain: np.ndarray,
+        proposed: np.ndarray,
+        r_act: np.ndarray,
+    ) -> None:
+        """Feed the adaptive baselines what their own pods did this quantum; count the oracle's changes."""
+        if "sglang" in self.policies:
+            rows = self._rows_of("sglang")
+            accepted = gain[rows].sum(axis=1) - steps[rows] * batch[rows]  # tokens beyond the bonus token
+            drafts = np.bincount(r_act, weights=proposed, minlength=self.rows)[rows]
+            self.sglang.observe(np.where(drafts > 0, accepted / np.maximum(drafts, 1e-12), np.nan))
+        if "bandit" in self.policies:
+            rows = self._rows_of("bandit")
+            busy = (batch[rows] > 0) & (decode[rows] > 0)
+            rate = gain[rows].sum(axis=1) / np.maximum(decode[rows] * batch[rows], 1e-12)
+            self.bandit.observe(bidx[rows][busy], k[rows][busy], rate[busy])
+        if "oracle" in self.policies:
+            o = self._rows_of("oracle")
+            choice = d[o] * 100 + k[o]
+            self.results["oracle"].switches += int((choice != self.prev_choice[o]).sum())
+            self.prev_choice[o] = choice
 
     def _count(
         self,
         rows: np.ndarray,
         batch: np.ndarray,
-        code: np.ndarray,
+        bidx: np.ndarray,
         k: np.ndarray,
         d: np.ndarray,
         steps: np.ndarray,
         decode: np.ndarray,
         row_tokens: np.ndarray,
+        span: truths.Span,
+        proposed: np.ndarray,
+        r_act: np.ndarray,
     ) -> None:
+        """The specserve fleet's counters, from what each of its sequences actually did."""
         b = batch[rows]
+        self.running = b.astype(float)
         busy = b > 0
         if not busy.any():
-            self.running = b.astype(float)
             return
         i = np.nonzero(busy)[0]
         r = rows[i]
-        bi = np.searchsorted(self.bounds, b[i], side="left")
-        kk, dd, st = k[r], d[r], steps[r]
+        bi, kk = bidx[r], k[r]
         spec = (kk > 0).astype(np.int64)
-        np.add.at(self.c_steps, (i, bi, spec), st)
+        np.add.at(self.c_steps, (i, bi, spec), steps[r])
         np.add.at(self.c_secs, (i, bi, spec), decode[r])
         np.add.at(self.c_tokens, (i, bi, spec), row_tokens[r])
-        sp = kk > 0
-        if sp.any():
-            i2, r2, b2, k2, d2, st2 = i[sp], r[sp], bi[sp], kk[sp], dd[sp], st[sp]
-            n_code = code[r2]
-            n_all = b[i2]
-            n_prose = np.maximum(n_all - n_code, 0)
-            np.add.at(self.c_drafts, (i2, d2, b2), st2 * n_all)
-            np.add.at(self.c_dtok, (i2, d2, b2), st2 * n_all * k2)
-            surv = self.truth.surv[d2]  # [m, 2, maxk]
-            pos = np.arange(self.truth.max_k)[None, :]
-            in_k = pos < k2[:, None]
-            acc_pos = (
-                st2[:, None] * (n_code[:, None] * surv[:, 0, :] + n_prose[:, None] * surv[:, 1, :]) * in_k
+        # Slots of specserve pods that drafted: where in the counters each lands.
+        first = rows[0]
+        sel = (r_act >= first) & (r_act < first + len(rows)) & (k[r_act] > 0)
+        if not sel.any():
+            return
+        pod = r_act[sel] - first
+        sk, sd, sb = k[r_act[sel]], d[r_act[sel]], bidx[r_act[sel]]
+        sp = self.library.select(span, sel)
+        prop = proposed[sel]
+        np.add.at(self.c_drafts, (pod, sd, sb), prop)
+        np.add.at(self.c_dtok, (pod, sd, sb), prop * sk)
+        for j in range(self.max_k):
+            at = sk > j
+            if not at.any():
+                break
+            acc = self.library.accepted_at(j, self.library.select(sp, at))
+            np.add.at(self.c_acc, (pod[at], sd[at], sb[at]), acc)
+            np.add.at(self.c_acc_pos, (pod[at], sd[at], sb[at], j), acc)
+            np.add.at(self.c_prop_pos, (pod[at], sd[at], sb[at], j), prop[at])
+
+
+def bucket_goodput(cfg: SimConfig, trace: Trace) -> np.ndarray:
+    """True goodput, tokens per second, of every (drafter, bucket, K) at the bucket's largest batch (capped
+    at max_num_seqs), a typical context, and the trace's mix of domains (request-weighted): what a user
+    who measured their hardware and traffic well would tune a static table from. [nd, buckets, K+1]"""
+    truth = make_truth(cfg)
+    lib = truth.library
+    nd = len(cfg.drafters)
+    weights = trace.rates * np.diff(np.append(trace.starts, trace.duration_s))
+    code = float((trace.code * weights).sum() / max(weights.sum(), 1e-12))
+    mix = np.array([code, 1.0 - code])
+    per_step = (lib.mean_tokens.mean(axis=-1) * mix[None, None, :]).sum(axis=-1)  # [K+1, nd]
+    ctx = float(mix @ (np.array(cfg.prompt_mean) + np.array(cfg.output_mean) / 2))
+    bounds = [min(b, cfg.max_num_seqs) for b in DEFAULT_BUCKETS] + [cfg.max_num_seqs]
+    caps = [min(dr.spec.max_speculative_tokens, lib.max_k) for dr in cfg.drafters]
+    ks = np.arange(lib.max_k + 1)
+    out = np.zeros((nd, len(bounds), lib.max_k + 1))
+    for i in range(nd):
+        for j, b in enumerate(bounds):
+            t = truth.step_s(
+                np.full(len(ks), float(b)), ks.astype(float), np.full(len(ks), ctx), np.full(len(ks), i)
             )
-            prop_pos = st2[:, None] * n_all[:, None] * in_k
-            np.add.at(self.c_acc, (i2, d2, b2), acc_pos.sum(axis=1))
-            np.add.at(self.c_acc_pos, (i2, d2, b2), acc_pos)
-            np.add.at(self.c_prop_pos, (i2, d2, b2), prop_pos)
-        self.running = b.astype(float)
+            out[i, j] = np.where(ks <= caps[i], b * per_step[:, i] / t, 0.0)
+    return out

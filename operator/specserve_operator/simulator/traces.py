@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -94,3 +94,19 @@ def bursty_rows(
         rows.append((t, burst_rps * float(rng.uniform(0.6, 1.0)), float(rng.uniform(0.1, 0.9))))
         t += float(rng.uniform(120, 600))
     return rows
+
+
+def scaled(trace: Trace, factor: float) -> Trace:
+    """The same trace with every arrival rate multiplied by `factor`."""
+    return replace(trace, rates=trace.rates * factor)
+
+
+def window(trace: Trace, start_s: float, end_s: float) -> Trace:
+    """The part of a trace between two times, starting at 0."""
+    start_s, end_s = max(0.0, start_s), min(trace.duration_s, end_s)
+    if end_s <= start_s:
+        raise ValueError(f"window: empty ({start_s} to {end_s} s of {trace.name})")
+    first = int(np.searchsorted(trace.starts, start_s, side="right")) - 1
+    last = int(np.searchsorted(trace.starts, end_s, side="left"))
+    starts = np.maximum(trace.starts[first:last] - start_s, 0.0)
+    return Trace(trace.name, starts, trace.rates[first:last], trace.code[first:last], end_s - start_s)
