@@ -42,8 +42,7 @@ from specserve_operator.simulator.fleet import (
     measured_cpu_config,
 )
 from specserve_operator.simulator.traces import Trace, load_trace, scaled, window, write_trace
-from specserve_operator.tuner import core
-from specserve_operator.tuner import observations as ob
+from specserve_operator.tuner import core, observations
 from specserve_operator.tuner.loop import FleetController
 
 ROOT = Path(__file__).resolve().parent
@@ -261,21 +260,33 @@ def _stub_vectors() -> dict[str, bytes]:
             for bucket, speculating in (("8", "true"), ("16", "true"), ("32", "false")):
                 steps = rng.uniform(2000, 9000)
                 lab = {**base, "bucket": bucket, "speculating": speculating}
-                engine.append((ob.STEPS, lab, steps))
-                engine.append((ob.STEP_SECONDS, lab, steps * 0.012))
-                engine.append((ob.TOKENS, lab, steps * int(bucket) * (2.5 if speculating == "true" else 1)))
+                engine.append((observations.STEPS, lab, steps))
+                engine.append((observations.STEP_SECONDS, lab, steps * 0.012))
+                engine.append(
+                    (observations.TOKENS, lab, steps * int(bucket) * (2.5 if speculating == "true" else 1))
+                )
                 if speculating == "true":
                     slab = {**base, "bucket": bucket, "drafter": "eagle3"}
                     drafts = steps * int(bucket)
-                    spec += [(ob.DRAFTS, slab, drafts), (ob.DRAFT_TOKENS, slab, drafts * 4)]
-                    spec.append((ob.ACCEPTED, slab, drafts * 1.8))
+                    spec += [
+                        (observations.DRAFTS, slab, drafts),
+                        (observations.DRAFT_TOKENS, slab, drafts * 4),
+                    ]
+                    spec.append((observations.ACCEPTED, slab, drafts * 1.8))
             surv = 1.0
             for pos in range(4):
                 surv *= 0.8
                 plab = {**base, "drafter": "eagle3", "position": str(pos)}
-                spec += [(ob.ACCEPTED_POS, plab, 40000 * surv), (ob.PROPOSED_POS, plab, 40000.0)]
+                spec += [
+                    (observations.ACCEPTED_POS, plab, 40000 * surv),
+                    (observations.PROPOSED_POS, plab, 40000.0),
+                ]
             info = {**base, "drafter": "eagle3", "mode": "on", "policy_version": "3"}
-            state += [(ob.POLICY_INFO, info, 1.0), (ob.RUNNING, base, 20.0), (ob.GPU_UTIL, base, 60.0)]
+            state += [
+                (observations.POLICY_INFO, info, 1.0),
+                (observations.RUNNING, base, 20.0),
+                (observations.GPU_UTIL, base, 60.0),
+            ]
     del fallback
 
     def encode(rows: list) -> bytes:
@@ -284,10 +295,10 @@ def _stub_vectors() -> dict[str, bytes]:
 
     empty = json.dumps({"status": "success", "data": {"resultType": "vector", "result": []}}).encode()
     return {
-        ob.STEPS: encode(engine),
-        ob.DRAFTS: encode(spec),
-        ob.POLICY_INFO: encode(state),
-        ob.VLLM_DRAFTS: empty,
+        observations.STEPS: encode(engine),
+        observations.DRAFTS: encode(spec),
+        observations.POLICY_INFO: encode(state),
+        observations.VLLM_DRAFTS: empty,
     }
 
 

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import kopf
 from pydantic import ValidationError
 
-from specserve_operator import status as st
+from specserve_operator import status as resource_status
 from specserve_operator.api.models import (
     API_VERSION,
     GROUP,
@@ -133,8 +133,13 @@ async def reconcile(
         kopf.warn(body, reason="Invalid", message=problem)
         patch.status["phase"] = "Failed"
         patch.status["observedGeneration"] = generation
-        patch.status["conditions"] = st.merge_conditions(
-            old_conditions, [st.condition(st.INVALID, True, "InvalidSpec", problem, generation=generation)]
+        patch.status["conditions"] = resource_status.merge_conditions(
+            old_conditions,
+            [
+                resource_status.condition(
+                    resource_status.INVALID, True, "InvalidSpec", problem, generation=generation
+                )
+            ],
         )
         return
 
@@ -177,11 +182,13 @@ async def reconcile(
         if exc.status == 403 and "secrets" in exc.message:
             message += f" (Secrets are granted per namespace: {SECRETS_HINT})"
         kopf.warn(body, reason="ApplyFailed", message=message)
-        conditions = st.merge_conditions(
+        conditions = resource_status.merge_conditions(
             old_conditions,
             [
-                st.condition(st.INVALID, False, "ValidSpec", generation=generation),
-                st.condition(st.DEPLOYED, False, "ApplyFailed", message, generation=generation),
+                resource_status.condition(resource_status.INVALID, False, "ValidSpec", generation=generation),
+                resource_status.condition(
+                    resource_status.DEPLOYED, False, "ApplyFailed", message, generation=generation
+                ),
             ],
         )
         # kopf drops a failing handler's patch, so the condition is written here, then the handler retries
@@ -194,17 +201,19 @@ async def reconcile(
     kinds = ", ".join(applied)
     deployment_status = applied["Deployment"].get("status")
     patch.status["observedGeneration"] = generation
-    patch.status["phase"] = st.deployment_phase(parsed.replicas, deployment_status)
+    patch.status["phase"] = resource_status.deployment_phase(parsed.replicas, deployment_status)
     patch.status["replicas"] = int((deployment_status or {}).get("replicas") or 0)
     patch.status["readyReplicas"] = int((deployment_status or {}).get("readyReplicas") or 0)
     patch.status["selector"] = render.label_selector_string(name)
-    patch.status["conditions"] = st.merge_conditions(
+    patch.status["conditions"] = resource_status.merge_conditions(
         old_conditions,
         [
-            st.condition(st.INVALID, False, "ValidSpec", generation=generation),
-            st.condition(st.CONFLICT, False, "NoConflict", generation=generation),
-            st.condition(st.DEPLOYED, True, "Applied", f"applied {kinds}", generation=generation),
-            *st.deployment_conditions(parsed.replicas, deployment_status, generation),
+            resource_status.condition(resource_status.INVALID, False, "ValidSpec", generation=generation),
+            resource_status.condition(resource_status.CONFLICT, False, "NoConflict", generation=generation),
+            resource_status.condition(
+                resource_status.DEPLOYED, True, "Applied", f"applied {kinds}", generation=generation
+            ),
+            *resource_status.deployment_conditions(parsed.replicas, deployment_status, generation),
         ],
     )
     kopf.info(body, reason="Deployed", message=f"applied {kinds}")
@@ -223,16 +232,20 @@ async def _report_conflicts(
     """Conflict=True naming each foreign object, a Warning Event per object when that changes, and a
     retry later (nothing was written to any child)."""
     message = "; ".join(c.message for c in conflicts) + ". Nothing was changed (see docs/runbook.md)."
-    was = st.get_condition(old_conditions, st.CONFLICT)
+    was = resource_status.get_condition(old_conditions, resource_status.CONFLICT)
     if not (was and was.get("status") == "True" and was.get("message") == message):
         for conflict in conflicts:
             kopf.warn(body, reason="Conflict", message=f"{conflict.message}: the operator leaves it alone")
-    conditions = st.merge_conditions(
+    conditions = resource_status.merge_conditions(
         old_conditions,
         [
-            st.condition(st.INVALID, False, "ValidSpec", generation=generation),
-            st.condition(st.CONFLICT, True, "ForeignObject", message, generation=generation),
-            st.condition(st.DEPLOYED, False, "Conflict", message, generation=generation),
+            resource_status.condition(resource_status.INVALID, False, "ValidSpec", generation=generation),
+            resource_status.condition(
+                resource_status.CONFLICT, True, "ForeignObject", message, generation=generation
+            ),
+            resource_status.condition(
+                resource_status.DEPLOYED, False, "Conflict", message, generation=generation
+            ),
         ],
     )
     # kopf drops a failing handler's patch, so the conditions are written here
@@ -290,17 +303,18 @@ async def deployment_changed(
     if parent.get("metadata", {}).get("uid") != owner.get("uid"):
         return  # a same-named Deployment of an earlier resource, or one that only claims to be ours
     parent_status = parent.get("status") or {}
-    if st.is_true(parent_status.get("conditions"), st.INVALID):
+    if resource_status.is_true(parent_status.get("conditions"), resource_status.INVALID):
         return
     desired = int(body.get("spec", {}).get("replicas") or 0)
     deployment_status = body.get("status") or {}
     generation = parent_status.get("observedGeneration")
     new_status = {
-        "phase": st.deployment_phase(desired, deployment_status),
+        "phase": resource_status.deployment_phase(desired, deployment_status),
         "replicas": int(deployment_status.get("replicas") or 0),
         "readyReplicas": int(deployment_status.get("readyReplicas") or 0),
-        "conditions": st.merge_conditions(
-            parent_status.get("conditions"), st.deployment_conditions(desired, deployment_status, generation)
+        "conditions": resource_status.merge_conditions(
+            parent_status.get("conditions"),
+            resource_status.deployment_conditions(desired, deployment_status, generation),
         ),
     }
     if all(parent_status.get(k) == v for k, v in new_status.items()):

@@ -40,7 +40,7 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from specserve_engine import metric_names as m
+from specserve_engine import metric_names
 from specserve_engine.api import SidecarDrafter
 from specserve_testing.engine_checks import sample_sum
 from specserve_testing.engines import TARGET, RunningEngine, prompts, scrape
@@ -228,8 +228,8 @@ async def sampling_run(
         setting=setting,
         result=uniformity_test(pits),
         samples=sum(len(samples) for _, samples in responses),
-        draft_tokens=delta(m.VLLM_SPEC_DRAFT_TOKENS),
-        accepted_tokens=delta(m.VLLM_SPEC_ACCEPTED_TOKENS),
+        draft_tokens=delta(metric_names.VLLM_SPEC_DRAFT_TOKENS),
+        accepted_tokens=delta(metric_names.VLLM_SPEC_ACCEPTED_TOKENS),
     )
 
 

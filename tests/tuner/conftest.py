@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from specserve_engine import metric_names as mn
+from specserve_engine import metric_names
 from specserve_operator.api.models import SpeculativeServingSpec
-from specserve_operator.tuner import observations as ob
+from specserve_operator.tuner import observations
 
 
 @dataclass(frozen=True)
@@ -32,27 +32,27 @@ def pod_rows(
     alphas: tuple[float, ...] = (0.8,) * 8,
     policy_version: int = 1,
     running: float | None = None,
-) -> list[ob.Row]:
+) -> list[observations.Row]:
     """The rows the reader would return for one pod with these loads and this conditional acceptance."""
     base = {"namespace": namespace, "pod": pod}
-    rows: list[ob.Row] = [
+    rows: list[observations.Row] = [
         (
-            ob.POLICY_INFO,
+            observations.POLICY_INFO,
             {**base, "drafter": drafter, "mode": "on", "policy_version": str(policy_version)},
             1.0,
         )
     ]
     if running is not None:
-        rows.append((ob.RUNNING, base, running))
+        rows.append((observations.RUNNING, base, running))
     accepted_pos: dict[int, float] = {}
     proposed_pos: dict[int, float] = {}
     for label, load in loads.items():
         if load.steps_plain:
             lab = {**base, "bucket": label, "speculating": "false"}
             rows += [
-                (ob.STEPS, lab, load.steps_plain),
-                (ob.STEP_SECONDS, lab, load.steps_plain * load.step_s_plain),
-                (ob.TOKENS, lab, load.steps_plain * load.batch),
+                (observations.STEPS, lab, load.steps_plain),
+                (observations.STEP_SECONDS, lab, load.steps_plain * load.step_s_plain),
+                (observations.TOKENS, lab, load.steps_plain * load.batch),
             ]
         if load.steps_spec:
             survival, surv = [], 1.0
@@ -62,39 +62,48 @@ def pod_rows(
             drafts = load.steps_spec * load.batch
             lab = {**base, "bucket": label, "speculating": "true"}
             rows += [
-                (ob.STEPS, lab, load.steps_spec),
-                (ob.STEP_SECONDS, lab, load.steps_spec * load.step_s_spec),
-                (ob.TOKENS, lab, drafts * (1 + sum(survival))),
+                (observations.STEPS, lab, load.steps_spec),
+                (observations.STEP_SECONDS, lab, load.steps_spec * load.step_s_spec),
+                (observations.TOKENS, lab, drafts * (1 + sum(survival))),
             ]
             slab = {**base, "bucket": label, "drafter": drafter}
             rows += [
-                (ob.DRAFTS, slab, drafts),
-                (ob.DRAFT_TOKENS, slab, drafts * load.k),
-                (ob.ACCEPTED, slab, drafts * sum(survival)),
+                (observations.DRAFTS, slab, drafts),
+                (observations.DRAFT_TOKENS, slab, drafts * load.k),
+                (observations.ACCEPTED, slab, drafts * sum(survival)),
             ]
             for i, s in enumerate(survival):
                 accepted_pos[i] = accepted_pos.get(i, 0.0) + drafts * s
                 proposed_pos[i] = proposed_pos.get(i, 0.0) + drafts
     for i in sorted(proposed_pos):
         plab = {**base, "drafter": drafter, "position": str(i)}
-        rows += [(ob.ACCEPTED_POS, plab, accepted_pos[i]), (ob.PROPOSED_POS, plab, proposed_pos[i])]
+        rows += [
+            (observations.ACCEPTED_POS, plab, accepted_pos[i]),
+            (observations.PROPOSED_POS, plab, proposed_pos[i]),
+        ]
     return rows
 
 
 # Row kind → (metric series, label names kept) for writing rows as Prometheus counters.
 SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    ob.STEPS: (mn.ENGINE_STEPS.series[0], ("bucket", "speculating")),
-    ob.STEP_SECONDS: (mn.ENGINE_STEP_SECONDS.series[0], ("bucket", "speculating")),
-    ob.TOKENS: (mn.ENGINE_GENERATED_TOKENS.series[0], ("bucket", "speculating")),
-    ob.DRAFTS: (mn.SPEC_DRAFTS.series[0], ("bucket", "drafter")),
-    ob.DRAFT_TOKENS: (mn.SPEC_DRAFT_TOKENS.series[0], ("bucket", "drafter")),
-    ob.ACCEPTED: (mn.SPEC_ACCEPTED_TOKENS.series[0], ("bucket", "drafter")),
-    ob.ACCEPTED_POS: (mn.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0], ("drafter", "position")),
-    ob.PROPOSED_POS: (mn.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], ("drafter", "position")),
+    observations.STEPS: (metric_names.ENGINE_STEPS.series[0], ("bucket", "speculating")),
+    observations.STEP_SECONDS: (metric_names.ENGINE_STEP_SECONDS.series[0], ("bucket", "speculating")),
+    observations.TOKENS: (metric_names.ENGINE_GENERATED_TOKENS.series[0], ("bucket", "speculating")),
+    observations.DRAFTS: (metric_names.SPEC_DRAFTS.series[0], ("bucket", "drafter")),
+    observations.DRAFT_TOKENS: (metric_names.SPEC_DRAFT_TOKENS.series[0], ("bucket", "drafter")),
+    observations.ACCEPTED: (metric_names.SPEC_ACCEPTED_TOKENS.series[0], ("bucket", "drafter")),
+    observations.ACCEPTED_POS: (
+        metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0],
+        ("drafter", "position"),
+    ),
+    observations.PROPOSED_POS: (
+        metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0],
+        ("drafter", "position"),
+    ),
 }
 
 
-def openmetrics(rows: list[ob.Row], start_s: float, end_s: float, step_s: float = 15.0) -> str:
+def openmetrics(rows: list[observations.Row], start_s: float, end_s: float, step_s: float = 15.0) -> str:
     """Rows as counters rising linearly from 0 at `start_s` to their value at `end_s` (the increase over
     that span is the row's value), gauges held constant; OpenMetrics text for promtool's backfill."""
     families: dict[str, list[str]] = {}
@@ -106,12 +115,12 @@ def openmetrics(rows: list[ob.Row], start_s: float, end_s: float, step_s: float 
             series, keep = SERIES[kind]
             family, mtype = series.removesuffix("_total"), "counter"
             extra = {k: labels[k] for k in keep if k in labels}
-        elif kind == ob.POLICY_INFO:
-            series = family = mn.SIDECAR_POLICY_INFO.name
+        elif kind == observations.POLICY_INFO:
+            series = family = metric_names.SIDECAR_POLICY_INFO.name
             mtype = "gauge"
             extra = {k: labels[k] for k in ("drafter", "mode", "policy_version")}
-        elif kind == ob.RUNNING:
-            series = family = mn.VLLM_REQUESTS_RUNNING
+        elif kind == observations.RUNNING:
+            series = family = metric_names.VLLM_REQUESTS_RUNNING
             mtype = "gauge"
         else:
             continue
@@ -165,7 +174,7 @@ def make_spec(**overrides: object) -> SpeculativeServingSpec:
 
 
 @pytest.fixture
-def rows_for() -> Callable[..., list[ob.Row]]:
+def rows_for() -> Callable[..., list[observations.Row]]:
     return pod_rows
 
 

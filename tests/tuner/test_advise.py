@@ -7,7 +7,7 @@ from __future__ import annotations
 import aiohttp
 from prometheus_client import REGISTRY
 
-from specserve_engine import metric_names as mn
+from specserve_engine import metric_names
 from specserve_operator.tuner import core
 from specserve_operator.tuner import observations as ob
 from specserve_operator.tuner.loop import FleetController
@@ -29,7 +29,7 @@ class RowsReader:
 
 def _recommended_k(name: str, mode: str, drafter: str, bucket: str) -> float | None:
     labels = {"namespace": NS, "name": name, "mode": mode, "drafter": drafter, "bucket": bucket}
-    return REGISTRY.get_sample_value(mn.OPERATOR_RECOMMENDED_K.name, labels)
+    return REGISTRY.get_sample_value(metric_names.OPERATOR_RECOMMENDED_K.name, labels)
 
 
 async def test_advice_waits_for_auto_which_rolls_out_the_recommended_drafter(

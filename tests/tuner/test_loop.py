@@ -7,8 +7,7 @@ from datetime import UTC, datetime
 import aiohttp
 import pytest
 
-from specserve_operator.tuner import core
-from specserve_operator.tuner import observations as ob
+from specserve_operator.tuner import core, observations
 from specserve_operator.tuner.loop import BACKOFF_BASE_S, FleetController
 from specserve_operator.tuner.reader import MetricsUnavailable
 from specserve_operator.tuner.report import status_patch
@@ -21,15 +20,15 @@ class FakeReader:
     """Stands in for PrometheusReader: returns the rows it is given, or raises the error it is given."""
 
     def __init__(self) -> None:
-        self.rows: list[ob.Row] = []
+        self.rows: list[observations.Row] = []
         self.error: MetricsUnavailable | None = None
         self.reads = 0
 
-    def read(self) -> ob.FleetSnapshot:
+    def read(self) -> observations.FleetSnapshot:
         self.reads += 1
         if self.error is not None:
             raise self.error
-        return ob.build_snapshot(self.rows, 300.0)
+        return observations.build_snapshot(self.rows, 300.0)
 
 
 class Clock:

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from specserve_operator.tuner import costmodel as cm
-from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner import costmodel
+from specserve_operator.tuner import policy as tuner_policy
 from specserve_operator.tuner.observations import BucketStats
 
 BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -16,38 +16,40 @@ BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 def prior(
     method: str = "eagle3", gpu: str = "NVIDIA-H200", model: str = "llama-3.1-8b", context: float = 1024.0
-) -> cm.StepCostPrior:
-    return cm.StepCostPrior(cm.model_shape(model), cm.gpu_spec(gpu), cm.drafter_cost(method), context)
+) -> costmodel.StepCostPrior:
+    return costmodel.StepCostPrior(
+        costmodel.model_shape(model), costmodel.gpu_spec(gpu), costmodel.drafter_cost(method), context
+    )
 
 
-def flat_acceptance(alpha: float, n: int = 8) -> pol.Acceptance:
-    return pol.Acceptance((alpha,) * n, "measured", 1000.0)
+def flat_acceptance(alpha: float, n: int = 8) -> tuner_policy.Acceptance:
+    return tuner_policy.Acceptance((alpha,) * n, "measured", 1000.0)
 
 
 # ---- cost model -------------------------------------------------------------------------------------
 
 
 def test_gpu_lookup_by_node_label_and_error_names_the_field() -> None:
-    assert cm.gpu_spec("NVIDIA-H100-80GB-HBM3").name == "H100"
-    assert cm.gpu_spec("NVIDIA-H200").name == "H200"
+    assert costmodel.gpu_spec("NVIDIA-H100-80GB-HBM3").name == "H100"
+    assert costmodel.gpu_spec("NVIDIA-H200").name == "H200"
     with pytest.raises(ValueError, match=r"engine\.gpu\.product: unknown GPU 'NVIDIA-A10'"):
-        cm.gpu_spec("NVIDIA-A10")
+        costmodel.gpu_spec("NVIDIA-A10")
 
 
 def test_model_shape_from_served_name() -> None:
-    assert cm.model_shape("llama-3.1-70b-instruct").layers == 80
-    assert cm.model_shape("Llama-3.1-8B-Instruct").params == pytest.approx(8.0e9)
-    assert cm.model_shape("qwen-14b").params == pytest.approx(14e9)
+    assert costmodel.model_shape("llama-3.1-70b-instruct").layers == 80
+    assert costmodel.model_shape("Llama-3.1-8B-Instruct").params == pytest.approx(8.0e9)
+    assert costmodel.model_shape("qwen-14b").params == pytest.approx(14e9)
 
 
 def test_decode_is_memory_bound_at_small_batch_and_compute_bound_at_large() -> None:
-    m, g = cm.MODELS["8b"], cm.gpu_spec("H200")
-    t1 = cm.verify_step_s(m, g, 1, 1, 0)
+    m, g = costmodel.MODELS["8b"], costmodel.gpu_spec("H200")
+    t1 = costmodel.verify_step_s(m, g, 1, 1, 0)
     assert t1 == pytest.approx(m.weight_bytes / g.hbm_bytes_per_s + g.step_overhead_s, rel=1e-3)
     # Below the ridge, verifying 4 tokens per sequence costs almost nothing more than one.
-    assert cm.verify_step_s(m, g, 4, 4, 0) / cm.verify_step_s(m, g, 4, 1, 0) < 1.01
+    assert costmodel.verify_step_s(m, g, 4, 4, 0) / costmodel.verify_step_s(m, g, 4, 1, 0) < 1.01
     # Far above it, time grows with the tokens verified.
-    big = cm.verify_step_s(m, g, 256, 4, 0) / cm.verify_step_s(m, g, 256, 1, 0)
+    big = costmodel.verify_step_s(m, g, 256, 4, 0) / costmodel.verify_step_s(m, g, 256, 1, 0)
     assert big > 3.0
 
 
@@ -56,23 +58,23 @@ def test_h200_bandwidth_makes_small_batches_faster_than_h100() -> None:
 
 
 def test_kv_traffic_grows_with_context() -> None:
-    m, g = cm.MODELS["8b"], cm.gpu_spec("H100")
-    assert cm.verify_step_s(m, g, 64, 1, 8000) > 1.5 * cm.verify_step_s(m, g, 64, 1, 500)
+    m, g = costmodel.MODELS["8b"], costmodel.gpu_spec("H100")
+    assert costmodel.verify_step_s(m, g, 64, 1, 8000) > 1.5 * costmodel.verify_step_s(m, g, 64, 1, 500)
 
 
 def test_drafter_costs_by_kind() -> None:
-    g = cm.gpu_spec("H100")
+    g = costmodel.gpu_spec("H100")
     model_drafter, parallel, lookup = (
-        cm.drafter_cost("draftModel"),
-        cm.drafter_cost("medusa"),
-        cm.drafter_cost("ngram"),
+        costmodel.drafter_cost("draftModel"),
+        costmodel.drafter_cost("medusa"),
+        costmodel.drafter_cost("ngram"),
     )
     assert model_drafter.draft_s(g, 4, 4, 1000) == pytest.approx(4 * model_drafter.draft_s(g, 4, 1, 1000))
     assert parallel.draft_s(g, 4, 4, 1000) == pytest.approx(parallel.draft_s(g, 4, 1, 1000))
     assert lookup.draft_s(g, 4, 4, 1000) < 1e-3
     assert model_drafter.draft_s(g, 4, 0, 1000) == 0.0
     with pytest.raises(ValueError, match=r"drafters\[\]\.method"):
-        cm.drafter_cost("telepathy")
+        costmodel.drafter_cost("telepathy")
 
 
 # ---- acceptance -------------------------------------------------------------------------------------
@@ -82,18 +84,18 @@ def test_expected_tokens_matches_leviathan_for_iid_acceptance() -> None:
     for alpha in (0.3, 0.6, 0.8, 0.9):
         for k in range(0, 8):
             closed = (1 - alpha ** (k + 1)) / (1 - alpha)
-            assert pol.expected_tokens((alpha,) * 8, k) == pytest.approx(closed)
+            assert tuner_policy.expected_tokens((alpha,) * 8, k) == pytest.approx(closed)
 
 
 def test_expected_tokens_uses_per_position_products() -> None:
-    assert pol.expected_tokens((0.9, 0.5, 0.1), 3) == pytest.approx(1 + 0.9 + 0.45 + 0.045)
+    assert tuner_policy.expected_tokens((0.9, 0.5, 0.1), 3) == pytest.approx(1 + 0.9 + 0.45 + 0.045)
 
 
 def test_iid_alpha_inverts_mal() -> None:
     for alpha in (0.2, 0.5, 0.8):
         mal = (1 - alpha**5) / (1 - alpha)
-        assert pol.iid_alpha_from_mal(mal, 4) == pytest.approx(alpha, abs=1e-6)
-    assert pol.iid_alpha_from_mal(1.0, 4) == 0.0
+        assert tuner_policy.iid_alpha_from_mal(mal, 4) == pytest.approx(alpha, abs=1e-6)
+    assert tuner_policy.iid_alpha_from_mal(1.0, 4) == 0.0
 
 
 def test_conditional_acceptance_from_per_position_counters() -> None:
@@ -103,29 +105,29 @@ def test_conditional_acceptance_from_per_position_counters() -> None:
         accepted_pos={0: 800, 1: 600, 2: 300},
         proposed_pos={0: 1000, 1: 1000, 2: 1000},
     )
-    acc = pol.acceptance(stats, max_k=5)
+    acc = tuner_policy.acceptance(stats, max_k=5)
     assert acc.source == "measured"
     assert acc.alphas[:3] == pytest.approx((0.8, 0.75, 0.5))
     # Positions never proposed continue the last one, a little lower (over-dispersion).
-    assert acc.alphas[3] == pytest.approx(0.5 * pol.EXTRAPOLATION_DECAY)
+    assert acc.alphas[3] == pytest.approx(0.5 * tuner_policy.EXTRAPOLATION_DECAY)
 
 
 def test_acceptance_denominator_is_per_position() -> None:
     # Only half the drafts reached position 1 (K varied): its survival is 200/500, not 200/1000.
     stats = BucketStats(drafts=1000, accepted_pos={0: 800, 1: 200}, proposed_pos={0: 1000, 1: 500})
-    assert pol.acceptance(stats, 2).alphas == pytest.approx((0.8, 0.5))
+    assert tuner_policy.acceptance(stats, 2).alphas == pytest.approx((0.8, 0.5))
 
 
 def test_acceptance_falls_back_to_totals_then_prior() -> None:
     alpha = 0.7
     totals = BucketStats(drafts=1000, draft_tokens=3000, accepted=1000 * (alpha + alpha**2 + alpha**3))
-    acc = pol.acceptance(totals, 3)
+    acc = tuner_policy.acceptance(totals, 3)
     assert acc.source == "totals"
     assert acc.alphas[0] == pytest.approx(alpha, abs=1e-4)
-    empty = pol.acceptance(BucketStats(), 3)
-    assert empty.source == "prior" and empty.alphas == (pol.PRIOR_ALPHA,) * 3
+    empty = tuner_policy.acceptance(BucketStats(), 3)
+    assert empty.source == "prior" and empty.alphas == (tuner_policy.PRIOR_ALPHA,) * 3
     # vLLM's own counters (no buckets) when the plugin's are absent.
-    assert pol.acceptance(BucketStats(), 3, fallback=totals).source == "totals"
+    assert tuner_policy.acceptance(BucketStats(), 3, fallback=totals).source == "totals"
 
 
 # ---- choosing K, the cliff, hysteresis --------------------------------------------------------------
@@ -144,7 +146,7 @@ def test_calibration_scales_the_prior_by_measured_step_times() -> None:
         drafts=1000 * batch,
         draft_tokens=3000 * batch,
     )
-    cost = pol.CalibratedCost(p, {label: measured}, BOUNDS)
+    cost = tuner_policy.CalibratedCost(p, {label: measured}, BOUNDS)
     assert cost.batch[label] == pytest.approx(batch)
     assert cost.step_s(label, 0) == pytest.approx(p.step_s(batch, 0) * 1.3)
     assert cost.step_s(label, 3) == pytest.approx(p.step_s(batch, 3) * 1.6)
@@ -156,76 +158,76 @@ def test_calibration_scales_the_prior_by_measured_step_times() -> None:
 def test_sibling_spec_overhead_is_borrowed_when_a_group_has_no_spec_steps() -> None:
     p = prior("ngram")
     plain_only = {"8": BucketStats(steps_plain=100, seconds_plain=100 * p.step_s(6, 0), tokens_plain=600)}
-    cost = pol.CalibratedCost(p, plain_only, BOUNDS, spec_excess=1.25)
+    cost = tuner_policy.CalibratedCost(p, plain_only, BOUNDS, spec_excess=1.25)
     assert cost.ratio("8", 2) == pytest.approx(1.25)
 
 
 def test_best_k_maximises_goodput_and_falls_with_batch() -> None:
-    cost = pol.CalibratedCost(prior(), {}, BOUNDS)
+    cost = tuner_policy.CalibratedCost(prior(), {}, BOUNDS)
     acc = flat_acceptance(0.8)
-    small, large = pol.best_k(acc, cost, "1", 8), pol.best_k(acc, cost, "+Inf", 8)
+    small, large = tuner_policy.best_k(acc, cost, "1", 8), tuner_policy.best_k(acc, cost, "+Inf", 8)
     assert small.gain > 2.0 and small.k >= 4
     assert large.gain < small.gain and large.k < small.k
     assert small.gain == pytest.approx(max(small.gains))
 
 
 def test_high_acceptance_pays_far_poor_acceptance_does_not() -> None:
-    cost = pol.CalibratedCost(prior("draftModel"), {}, BOUNDS)
-    assert pol.best_k(flat_acceptance(0.05), cost, "1", 4).gain < 1.0
-    assert pol.best_k(flat_acceptance(0.9), cost, "1", 4).gain > 1.5
+    cost = tuner_policy.CalibratedCost(prior("draftModel"), {}, BOUNDS)
+    assert tuner_policy.best_k(flat_acceptance(0.05), cost, "1", 4).gain < 1.0
+    assert tuner_policy.best_k(flat_acceptance(0.9), cost, "1", 4).gain > 1.5
 
 
 def test_cliff_is_the_first_batch_where_no_k_reaches_min_gain() -> None:
     # Short contexts: little KV traffic, so verification turns compute-bound within the buckets.
-    cost = pol.CalibratedCost(prior("draftModel", context=128), {}, BOUNDS)
+    cost = tuner_policy.CalibratedCost(prior("draftModel", context=128), {}, BOUNDS)
     acc = flat_acceptance(0.7)
-    cliff = pol.cliff_batch_size(acc, cost, BOUNDS, 4, 1.1)
+    cliff = tuner_policy.cliff_batch_size(acc, cost, BOUNDS, 4, 1.1)
     assert cliff is not None and 1 < cliff <= 256
 
     def gain(b: int) -> float:
-        return pol.best_k(acc, cost, pol._label_for(b, BOUNDS), 4, b).gain
+        return tuner_policy.best_k(acc, cost, tuner_policy._label_for(b, BOUNDS), 4, b).gain
 
     # The bisection agrees with a linear scan.
     assert cliff == next(b for b in range(1, 257) if gain(b) < 1.1)
     assert (
-        pol.cliff_batch_size(
-            flat_acceptance(0.99), pol.CalibratedCost(prior("ngram"), {}, BOUNDS), BOUNDS, 4, 1.0
+        tuner_policy.cliff_batch_size(
+            flat_acceptance(0.99), tuner_policy.CalibratedCost(prior("ngram"), {}, BOUNDS), BOUNDS, 4, 1.0
         )
         is None
     )
 
 
-def choice(k: int, gain: float) -> pol.BucketChoice:
-    return pol.BucketChoice(k, gain, tuple(gain if i + 1 == k else gain * 0.9 for i in range(4)))
+def choice(k: int, gain: float) -> tuner_policy.BucketChoice:
+    return tuner_policy.BucketChoice(k, gain, tuple(gain if i + 1 == k else gain * 0.9 for i in range(4)))
 
 
-H = pol.Hysteresis(min_gain=1.1, cooldown_s=300)
+H = tuner_policy.Hysteresis(min_gain=1.1, cooldown_s=300)
 
 
 def test_bucket_turns_on_only_at_min_gain() -> None:
-    update = pol.update_table({"1": 0}, {"1": choice(3, 1.09)}, H, {}, now=0)
+    update = tuner_policy.update_table({"1": 0}, {"1": choice(3, 1.09)}, H, {}, now=0)
     assert update.k_by_bucket == {"1": 0}
-    update = pol.update_table({"1": 0}, {"1": choice(3, 1.12)}, H, {}, now=0)
+    update = tuner_policy.update_table({"1": 0}, {"1": choice(3, 1.12)}, H, {}, now=0)
     assert update.k_by_bucket == {"1": 3} and update.flipped == {"1": 0}
 
 
 def test_an_on_bucket_stays_on_inside_the_band_and_goes_off_below_it() -> None:
     assert H.off_gain == pytest.approx(1.05)
-    stay = pol.update_table({"1": 3}, {"1": choice(3, 1.07)}, H, {"1": -1000}, now=0)
+    stay = tuner_policy.update_table({"1": 3}, {"1": choice(3, 1.07)}, H, {"1": -1000}, now=0)
     assert stay.k_by_bucket == {"1": 3}
-    off = pol.update_table({"1": 3}, {"1": choice(3, 1.03)}, H, {"1": -1000}, now=0)
+    off = tuner_policy.update_table({"1": 3}, {"1": choice(3, 1.03)}, H, {"1": -1000}, now=0)
     assert off.k_by_bucket == {"1": 0}
 
 
 def test_cooldown_blocks_flapping_but_not_a_harmful_bucket() -> None:
     # Flipped on 60 s ago: a drop into the band's lower part waits for the cooldown...
-    wait = pol.update_table({"1": 3}, {"1": choice(3, 1.03)}, H, {"1": -60}, now=0)
+    wait = tuner_policy.update_table({"1": 3}, {"1": choice(3, 1.03)}, H, {"1": -60}, now=0)
     assert wait.k_by_bucket == {"1": 3}
     # ... but speculation predicted slower than plain decoding goes off at once.
-    now_off = pol.update_table({"1": 3}, {"1": choice(3, 0.95)}, H, {"1": -60}, now=0)
+    now_off = tuner_policy.update_table({"1": 3}, {"1": choice(3, 0.95)}, H, {"1": -60}, now=0)
     assert now_off.k_by_bucket == {"1": 0}
     # And a bucket switched off 60 s ago does not come back before the cooldown.
-    back = pol.update_table({"1": 0}, {"1": choice(3, 1.5)}, H, {"1": -60}, now=0)
+    back = tuner_policy.update_table({"1": 0}, {"1": choice(3, 1.5)}, H, {"1": -60}, now=0)
     assert back.k_by_bucket == {"1": 0}
 
 
@@ -235,7 +237,7 @@ def test_load_hovering_at_the_cliff_does_not_flap() -> None:
     gains = [1.12, 1.02, 1.13, 1.04, 1.11, 1.06, 1.12, 1.03] * 10
     for tick, gain in enumerate(gains):
         now = tick * 30.0
-        update = pol.update_table(table, {"1": choice(2, gain)}, H, flipped_at, now)
+        update = tuner_policy.update_table(table, {"1": choice(2, gain)}, H, flipped_at, now)
         table = update.k_by_bucket
         flipped_at.update(update.flipped)
         flips += list(update.flipped.values())
@@ -244,26 +246,21 @@ def test_load_hovering_at_the_cliff_does_not_flap() -> None:
 
 
 def test_k_moves_only_for_a_clear_gain() -> None:
-    c = pol.BucketChoice(4, 1.50, (1.2, 1.40, 1.49, 1.50))
-    assert pol.update_table({"1": 3}, {"1": c}, H, {"1": -1e9}, now=0).k_by_bucket == {"1": 3}
-    c = pol.BucketChoice(4, 1.50, (1.2, 1.30, 1.40, 1.50))
-    assert pol.update_table({"1": 3}, {"1": c}, H, {"1": -1e9}, now=0).k_by_bucket == {"1": 4}
-
-
-def test_forced_modes() -> None:
-    choices = {"1": choice(3, 0.5), "2": choice(2, 2.0)}
-    assert pol.forced_table(choices, "on") == {"1": 3, "2": 2}
-    assert pol.forced_table(choices, "off") == {"1": 0, "2": 0}
+    c = tuner_policy.BucketChoice(4, 1.50, (1.2, 1.40, 1.49, 1.50))
+    assert tuner_policy.update_table({"1": 3}, {"1": c}, H, {"1": -1e9}, now=0).k_by_bucket == {"1": 3}
+    c = tuner_policy.BucketChoice(4, 1.50, (1.2, 1.30, 1.40, 1.50))
+    assert tuner_policy.update_table({"1": 3}, {"1": c}, H, {"1": -1e9}, now=0).k_by_bucket == {"1": 4}
 
 
 def test_drafter_score_weights_buckets_by_traffic() -> None:
-    cost = pol.CalibratedCost(prior("draftModel"), {}, BOUNDS)
+    cost = tuner_policy.CalibratedCost(prior("draftModel"), {}, BOUNDS)
     acc = flat_acceptance(0.8)
-    low = pol.drafter_score(acc, cost, BOUNDS, 4, {"1": 100.0})
-    high = pol.drafter_score(acc, cost, BOUNDS, 4, {"+Inf": 100.0})
+    low = tuner_policy.drafter_score(acc, cost, BOUNDS, 4, {"1": 100.0})
+    high = tuner_policy.drafter_score(acc, cost, BOUNDS, 4, {"+Inf": 100.0})
     assert low > high >= 1.0
     assert math.isclose(
-        pol.drafter_score(acc, cost, BOUNDS, 4, {}), pol.drafter_score(acc, cost, BOUNDS, 4, {})
+        tuner_policy.drafter_score(acc, cost, BOUNDS, 4, {}),
+        tuner_policy.drafter_score(acc, cost, BOUNDS, 4, {}),
     )
 
 
@@ -281,13 +278,17 @@ def test_remembered_ratio_fills_an_unmeasured_bucket_and_a_fresh_measurement_win
             draft_tokens=3000 * batch,
         )
 
-    memory = pol.RatioMemory(ttl_s=600.0)
+    memory = tuner_policy.RatioMemory(ttl_s=600.0)
     memory.record("g", {"64": 1.1}, {"64": 2.5}, now=0.0)
-    cost = pol.CalibratedCost(p, {"8": stats(6.0, 1.0)}, BOUNDS, remembered=memory.recall("g", 100.0))
+    cost = tuner_policy.CalibratedCost(
+        p, {"8": stats(6.0, 1.0)}, BOUNDS, remembered=memory.recall("g", 100.0)
+    )
     assert cost.ratio("64", 3) == pytest.approx(2.5) and cost.ratio("64", 0) == pytest.approx(1.1)
     assert cost.ratio("32", 3) == pytest.approx(1.0)  # neither measured nor remembered: the median
     # A fresh measurement in the window wins over the remembered ratio, and replaces it.
-    fresh = pol.CalibratedCost(p, {"64": stats(48.0, 1.4)}, BOUNDS, remembered=memory.recall("g", 200.0))
+    fresh = tuner_policy.CalibratedCost(
+        p, {"64": stats(48.0, 1.4)}, BOUNDS, remembered=memory.recall("g", 200.0)
+    )
     assert fresh.ratio("64", 3) == pytest.approx(1.4, rel=0.02)
     memory.record("g", fresh.plain_ratio, fresh.spec_ratio, now=200.0)
     assert memory.recall("g", 700.0)[1]["64"] == pytest.approx(1.4, rel=0.02)  # 500 s old: kept

@@ -86,7 +86,6 @@ class DraftClient:
         # Counters a test or benchmark can read: steps answered, steps without an answer.
         self.answered = 0
         self.missed = 0
-        self.last_rtt_s = 0.0
 
     @property
     def connected(self) -> bool:
@@ -143,7 +142,6 @@ class DraftClient:
             self.missed += 1
             return drafts
         self._late = 0
-        self.last_rtt_s = time.perf_counter() - t0
         self.answered += 1
         for update, answer in zip(rows, answers, strict=True):
             if answer.status != RowStatus.OK:

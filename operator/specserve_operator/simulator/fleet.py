@@ -29,7 +29,7 @@ from specserve_operator.simulator import truths
 from specserve_operator.simulator.baselines import BucketBandit, EmaTiers, StaticTable
 from specserve_operator.simulator.traces import Trace
 from specserve_operator.tuner import core, observations
-from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner import policy as tuner_policy
 
 POLICIES = ("off", "static_on", "sglang", "bandit", "specserve", "oracle")
 TRUTHS = ("gpu", "measured-cpu")
@@ -280,7 +280,9 @@ class FleetSim:
         self.pod_names = tuple(f"sim-{i}" for i in range(p))
         self.view = core.ResourceView("sim", "fleet", self.spec, self.pod_names)
         self.state = core.ResourceState.initial(self.spec)
-        self.ratios = pol.RatioMemory()  # as FleetController: step-time ratios remembered across ticks
+        self.ratios = (
+            tuner_policy.RatioMemory()
+        )  # as FleetController: step-time ratios remembered across ticks
         self.names = [d.spec.name for d in cfg.drafters]
         self.controller_s = 0.0
         self.decisions: list[tuple[float, core.Decision]] = []

@@ -24,23 +24,29 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client import Counter, Gauge, Histogram
 
-from specserve_engine import metric_names as mn
+from specserve_engine import metric_names
 from specserve_engine.api import PolicyRequest
 from specserve_engine.client import SidecarClient, SidecarError
 from specserve_operator.tuner import core
-from specserve_operator.tuner import policy as pol
+from specserve_operator.tuner import policy as tuner_policy
 from specserve_operator.tuner.observations import FleetSnapshot
 from specserve_operator.tuner.reader import MetricsUnavailable, PrometheusReader
 
 DECISIONS = Counter(
-    mn.OPERATOR_DECISIONS.name, mn.OPERATOR_DECISIONS.help, list(mn.OPERATOR_DECISIONS.labels)
+    metric_names.OPERATOR_DECISIONS.name,
+    metric_names.OPERATOR_DECISIONS.help,
+    list(metric_names.OPERATOR_DECISIONS.labels),
 )
-TICK_SECONDS = Histogram(mn.OPERATOR_TICK_SECONDS.name, mn.OPERATOR_TICK_SECONDS.help)
+TICK_SECONDS = Histogram(metric_names.OPERATOR_TICK_SECONDS.name, metric_names.OPERATOR_TICK_SECONDS.help)
 RECOMMENDED_K = Gauge(
-    mn.OPERATOR_RECOMMENDED_K.name, mn.OPERATOR_RECOMMENDED_K.help, list(mn.OPERATOR_RECOMMENDED_K.labels)
+    metric_names.OPERATOR_RECOMMENDED_K.name,
+    metric_names.OPERATOR_RECOMMENDED_K.help,
+    list(metric_names.OPERATOR_RECOMMENDED_K.labels),
 )
 PREDICTED_GAIN = Gauge(
-    mn.OPERATOR_PREDICTED_GAIN.name, mn.OPERATOR_PREDICTED_GAIN.help, list(mn.OPERATOR_PREDICTED_GAIN.labels)
+    metric_names.OPERATOR_PREDICTED_GAIN.name,
+    metric_names.OPERATOR_PREDICTED_GAIN.help,
+    list(metric_names.OPERATOR_PREDICTED_GAIN.labels),
 )
 
 BACKOFF_BASE_S = 5.0
@@ -119,7 +125,7 @@ class FleetController:
         self._reads: dict[str, _Read] = {}
         self._backoff: dict[str, Backoff] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.ratios = pol.RatioMemory()  # measured step-time ratios, remembered across ticks
+        self.ratios = tuner_policy.RatioMemory()  # measured step-time ratios, remembered across ticks
         self.advising: set[tuple[str, str]] = set()  # resources whose last decision was advice
         # The recommendation series each resource set last: (gauge, label values).
         self._gauges: dict[tuple[str, str], list[tuple[Gauge, tuple]]] = {}

@@ -336,11 +336,6 @@ def update_table(
     return TableUpdate(table, flipped, reasons)
 
 
-def forced_table(choices: Mapping[str, BucketChoice], mode: str) -> dict[str, int]:
-    """`mode: on` speculates everywhere with the best K; `mode: off` nowhere."""
-    return {label: (c.k if mode == "on" else 0) for label, c in choices.items()}
-
-
 def drafter_score(
     acc: Acceptance, cost: CalibratedCost, bounds: Sequence[int], max_k: int, weights: Mapping[str, float]
 ) -> float:

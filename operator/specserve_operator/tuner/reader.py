@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import math
-import time
 from dataclasses import dataclass, field
 
 import requests
@@ -133,7 +132,6 @@ class PrometheusReader:
     timeout_s: float = 5.0
     headers: dict[str, str] | None = None
     queries: int = 0
-    last_read_s: float = 0.0
     _client: PrometheusConnect | None = field(default=None, init=False, repr=False)
 
     def _connect(self) -> PrometheusConnect:
@@ -170,7 +168,6 @@ class PrometheusReader:
 
     def read(self) -> observations.FleetSnapshot:
         """One snapshot of the whole fleet behind this Prometheus."""
-        started = time.perf_counter()
         # Hundreds of thousands of small dicts: the cyclic collector would rescan them many times over.
         gc_was_enabled = gc.isenabled()
         gc.disable()
@@ -182,5 +179,4 @@ class PrometheusReader:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        self.last_read_s = time.perf_counter() - started
         return snapshot

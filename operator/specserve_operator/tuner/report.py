@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from specserve_operator import status as st
+from specserve_operator import status as resource_status
 from specserve_operator.tuner import core
 from specserve_operator.tuner.loop import ResourceTick
 
@@ -30,27 +30,33 @@ def status_patch(
     condition changes: the policy in force stays, and so does what status says about it."""
     old = old_status or {}
     if tick.metrics_error is not None:
-        cond = st.condition(
+        cond = resource_status.condition(
             METRICS_AVAILABLE, False, tick.metrics_error.reason, str(tick.metrics_error)[:1000]
         )
-        return {"conditions": st.merge_conditions(old.get("conditions"), [cond], now)}
+        return {"conditions": resource_status.merge_conditions(old.get("conditions"), [cond], now)}
     d = tick.decision
     assert d is not None
     conditions = []
     if d.action == "noData":
-        conditions.append(st.condition(METRICS_AVAILABLE, False, "PartialData", d.reason))
+        conditions.append(resource_status.condition(METRICS_AVAILABLE, False, "PartialData", d.reason))
     else:
-        conditions.append(st.condition(METRICS_AVAILABLE, True, "Read", f"{len(view.pods)} pods"))
+        conditions.append(
+            resource_status.condition(METRICS_AVAILABLE, True, "Read", f"{len(view.pods)} pods")
+        )
     floor = view.spec.speculation.mal_floor
     if d.mean_accepted_length is None:
-        conditions.append(st.condition(SPECULATION_HEALTHY, "Unknown", "NoDrafts", "no drafts in the window"))
+        conditions.append(
+            resource_status.condition(SPECULATION_HEALTHY, "Unknown", "NoDrafts", "no drafts in the window")
+        )
     elif d.mean_accepted_length >= floor:
         conditions.append(
-            st.condition(SPECULATION_HEALTHY, True, "MalAtOrAboveFloor", f"MAL {d.mean_accepted_length:.2f}")
+            resource_status.condition(
+                SPECULATION_HEALTHY, True, "MalAtOrAboveFloor", f"MAL {d.mean_accepted_length:.2f}"
+            )
         )
     else:
         conditions.append(
-            st.condition(
+            resource_status.condition(
                 SPECULATION_HEALTHY,
                 False,
                 "MalBelowFloor",
@@ -59,7 +65,7 @@ def status_patch(
         )
     if tick.advice:
         conditions.append(
-            st.condition(
+            resource_status.condition(
                 POLICIES_APPLIED,
                 False,
                 "AdviseOnly",
@@ -68,10 +74,12 @@ def status_patch(
         )
     elif tick.unreachable:
         pods = "; ".join(f"{p}: {e}" for p, e in sorted(tick.unreachable.items()))
-        conditions.append(st.condition(POLICIES_APPLIED, False, "SidecarUnreachable", pods[:1000]))
+        conditions.append(
+            resource_status.condition(POLICIES_APPLIED, False, "SidecarUnreachable", pods[:1000])
+        )
     else:
         conditions.append(
-            st.condition(POLICIES_APPLIED, True, "Applied", f"policy version {d.policy_version}")
+            resource_status.condition(POLICIES_APPLIED, True, "Applied", f"policy version {d.policy_version}")
         )
     bounds = view.spec.speculation.batch_buckets
     pods = []
@@ -110,13 +118,13 @@ def status_patch(
         "predictedGain": _round(tick.predicted_gain),
         "action": d.action,
         "reason": d.reason[:1024],
-        "time": st.now_rfc3339(now),
+        "time": resource_status.now_rfc3339(now),
     }
     patch: dict[str, Any] = {
         "fleet": {k: v for k, v in fleet.items() if v is not None},
         "pods": pods,
         "recommendation": {k: v for k, v in recommendation.items() if v is not None},
-        "conditions": st.merge_conditions(old.get("conditions"), conditions, now),
+        "conditions": resource_status.merge_conditions(old.get("conditions"), conditions, now),
     }
     if not tick.advice:
         patch |= {
@@ -127,5 +135,9 @@ def status_patch(
         }
     if d.changed or d.action == "noData" or not old.get("lastDecision"):
         action = f"advise:{d.action}" if tick.advice else d.action
-        patch["lastDecision"] = {"time": st.now_rfc3339(now), "action": action, "reason": d.reason[:1024]}
+        patch["lastDecision"] = {
+            "time": resource_status.now_rfc3339(now),
+            "action": action,
+            "reason": d.reason[:1024],
+        }
     return patch
