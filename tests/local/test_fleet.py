@@ -65,7 +65,7 @@ def _stray_processes(run_dir: Path) -> list[str]:
 
 def _ports(run_dir: Path) -> list[int]:
     fleet = json.loads((run_dir / "fleet.json").read_text())
-    urls = [fleet["prometheus"]] + [
+    urls = [fleet["prometheus"], *fleet["stockEngines"]] + [
         u for pod in fleet["pods"].values() for u in (pod["engine"], pod["sidecar"])
     ]
     return [int(u.rsplit(":", 1)[1]) for u in urls]
@@ -87,6 +87,10 @@ def test_local_fleet_follows_the_load(tmp_path: Path) -> None:
     assert runs == {"specserve", "off", "static"}
     failed = [r for r in data["records"] if not r["ok"]]
     assert not failed, failed[:3]
+    # The plain-decoding run went to the stock vLLM (no specserve), and only that run did.
+    (stock_log,) = run_dir.glob("stock-*/engine.log")
+    served = stock_log.read_text().count("POST /v1/completions")
+    assert served == sum(r["run"] == "off" for r in data["records"]) > 0
     # Speculation was measured: some bucket saw accepted drafts during the controller's run.
     assert max(data["mal_by_bucket"]["specserve"].values()) > 1.0
     assert data["decisions"], "the controller decided nothing"

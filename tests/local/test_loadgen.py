@@ -87,3 +87,19 @@ async def test_failures_are_recorded() -> None:
     assert failed and all(r.domain == "code" and "HTTP 500" in (r.error or "") for r in failed)
     assert any(r.ok for r in records)
     assert gen.progress is not None and gen.progress.failed == len(failed)
+
+
+async def test_a_run_can_go_to_other_endpoints() -> None:
+    """The plain-decoding run sends the same traffic to the stock engines instead of the fleet's."""
+    fleet, stock = CompletionsServer(), CompletionsServer()
+    (fleet_runner, fleet_url), (stock_runner, stock_url) = await _serve(fleet), await _serve(stock)
+    try:
+        gen = LoadGenerator(endpoints={"a": fleet_url}, model="m", prompts={"code": ["x"], "prose": ["y"]})
+        off = await gen.run("off", parse_pattern("p:0.3:2"), {"a": stock_url})
+        static = await gen.run("static", parse_pattern("p:0.3:2"))
+    finally:
+        await fleet_runner.cleanup()
+        await stock_runner.cleanup()
+    assert off and static and all(r.ok and r.replica == "a" for r in off + static)
+    assert sum(stock.prompts.values()) == len(off) and max(n for _, n in stock.peaks) == 2
+    assert sum(fleet.prompts.values()) == len(static)

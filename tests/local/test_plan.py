@@ -73,6 +73,24 @@ def test_example_plans_one_pod_per_replica(tmp_path: Path, models: Path) -> None
     assert list(policy.k_by_bucket) == ["1", "2", "4", "8", "16", "32", "+Inf"]
 
 
+def test_the_plain_run_gets_a_stock_engine_per_replica(tmp_path: Path, models: Path) -> None:
+    resource = load_manifest(_manifest(tmp_path, replicas=2))
+    plan = plan_fleet(
+        resource, run_dir=tmp_path / "run", models_dir=models, ports=[1, 2, 3, 4], stock_ports=[5, 6]
+    )
+    assert [(e.port, e.stock, e.drafter) for e in plan.stock_engines] == [(5, True, None), (6, True, None)]
+    for replica, stock in zip(plan.replicas, plan.stock_engines, strict=True):
+        # The same model and engine settings as the replica's engine: only specserve is missing.
+        assert (stock.model, stock.served_model_name, stock.max_model_len, stock.max_num_seqs) == (
+            replica.engine.model,
+            replica.engine.served_model_name,
+            replica.engine.max_model_len,
+            replica.engine.max_num_seqs,
+        )
+        assert stock.omp_num_threads == replica.engine.omp_num_threads
+    assert plan_fleet(resource, run_dir=tmp_path, models_dir=models, ports=[1, 2, 3, 4]).stock_engines == ()
+
+
 def test_colocated_initial_drafter_runs_in_the_engine(tmp_path: Path, models: Path) -> None:
     drafters = [
         {"name": "d", "method": "draftModel", "source": "pvc://models/tiny-draft", "placement": "colocated"},

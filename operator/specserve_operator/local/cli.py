@@ -48,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--compare",
         default=f"{RUN_OFF},{RUN_STATIC}",
-        help="comparison runs after the controller's run: off, static, both (default) or none",
+        help="comparison runs after the controller's run: off (plain decoding on a stock vLLM per "
+        "replica), static, both (default) or none",
     )
     up.add_argument(
         "--compare-scale",

@@ -3,7 +3,8 @@
 Each replica is a real `vllm serve` (B's launcher) and a real sidecar; a real Prometheus scrapes them;
 the operator's controller decides every evaluationInterval and pushes policies over the sidecars' HTTP
 API; the built-in load generator sends the traffic pattern. Then the same traffic runs briefly with
-speculation off and with static speculation, for comparison, and a report is written.
+plain decoding on a stock vLLM per replica (no specserve flags, plugins or drafter: vLLM as users start it)
+and with static speculation, for comparison, and a report is written.
 
 Everything started lives in its own process group and is stopped in `finally`, Ctrl-C included.
 """
@@ -85,6 +86,7 @@ class FleetRuntime:
     """What is running, so that `stop` can take everything down in reverse order."""
 
     engines: list[EngineProcess] = field(default_factory=list)
+    stock_engines: list[EngineProcess] = field(default_factory=list)
     sidecars: list[GroupProcess] = field(default_factory=list)
     prometheus: PrometheusProcess | None = None
 
@@ -94,7 +96,7 @@ class FleetRuntime:
                 self.prometheus.stop()
         for sidecar in self.sidecars:
             sidecar.stop()
-        for engine in self.engines:
+        for engine in self.engines + self.stock_engines:
             with contextlib.suppress(Exception):
                 engine.stop()
 
@@ -139,9 +141,10 @@ def prepare(opts: UpOptions) -> tuple[FleetPlan, Path]:
     resource = load_manifest(opts.manifest)
     preflight.require_prometheus()
     count = opts.replicas if opts.replicas is not None else resource.spec.replicas
+    with_stock = RUN_OFF in opts.compare
     preflight.check_memory(
         count,
-        int((ENGINE_RSS_GIB + opts.kv_cache_gib) * preflight.GIB),
+        int((ENGINE_RSS_GIB + opts.kv_cache_gib) * (2 if with_stock else 1) * preflight.GIB),
         preflight.available_memory_bytes(),
         int(RESERVE_GIB * preflight.GIB),
     )
@@ -150,17 +153,19 @@ def prepare(opts: UpOptions) -> tuple[FleetPlan, Path]:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_dir = (opts.out_dir / f"{resource.metadata.name}-{stamp}").resolve()
     ports: list[int] = []
-    while len(ports) < 2 * max(1, count):
+    while len(ports) < (3 if with_stock else 2) * max(1, count):
         port = free_port()
         if port not in ports and port != opts.prometheus_port:
             ports.append(port)
+    pod_ports = ports[: 2 * max(1, count)]
     plan = plan_fleet(
         resource,
         run_dir=run_dir,
         models_dir=opts.models_dir.resolve(),
-        ports=ports,
+        ports=pod_ports,
         replicas=opts.replicas,
         kv_cache_gib=opts.kv_cache_gib,
+        stock_ports=ports[len(pod_ports) :] if with_stock else None,
     )
     return plan, run_dir
 
@@ -199,6 +204,9 @@ async def start_fleet(s: Session, rt: FleetRuntime) -> None:
         )
         sidecar.start()
         rt.sidecars.append(sidecar)
+    for stock in plan.stock_engines:
+        log = plan.run_dir / f"stock-{stock.port}" / "engine.log"
+        rt.stock_engines.append(start_engine(stock, log))
     for r, engine, sidecar in zip(plan.replicas, rt.engines, rt.sidecars, strict=True):
         await _wait_http(
             f"{engine.url}/health",
@@ -216,6 +224,15 @@ async def start_fleet(s: Session, rt: FleetRuntime) -> None:
         s.say(
             f"sidecar {r.name} ready at {r.sidecar_url} ({group_rss_bytes(sidecar.pid or 0) / 2**30:.2f} GiB)"
         )
+    for engine in rt.stock_engines:
+        await _wait_http(
+            f"{engine.url}/health",
+            lambda e=engine: e.process.poll() is None,
+            "stock engine (the plain-decoding run's)",
+            engine.log_path,
+            s.opts.engine_timeout_s,
+        )
+        s.say(f"stock vLLM ready at {engine.url} ({group_rss_bytes(engine.process.pid) / 2**30:.1f} GiB)")
     targets = [(r.name, "engine", f"127.0.0.1:{r.engine_port}") for r in plan.replicas]
     targets += [(r.name, "sidecar", f"127.0.0.1:{r.sidecar.port}") for r in plan.replicas]
     rules = usable_rule_files(REPO / "charts" / "specserve" / "files")
@@ -243,7 +260,8 @@ async def start_fleet(s: Session, rt: FleetRuntime) -> None:
                     }
                     for r in plan.replicas
                 },
-                "pids": [e.process.pid for e in rt.engines] + [p.pid for p in rt.sidecars],
+                "stockEngines": [e.url for e in rt.stock_engines],
+                "pids": [e.process.pid for e in rt.engines + rt.stock_engines] + [p.pid for p in rt.sidecars],
             },
             indent=1,
         )
@@ -308,32 +326,38 @@ async def _controller_loop(s: Session, controller: FleetController, token: str) 
         s.on_change()
 
 
-async def _push_fixed(s: Session, clients: dict[str, SidecarClient], mode: str) -> None:
-    """The comparison runs' fixed policy: speculation off, or the initial drafter at its maximum K."""
+async def _push_fixed(s: Session, clients: dict[str, SidecarClient]) -> None:
+    """The static-speculation run's fixed policy: the initial drafter at its maximum K in every bucket."""
     spec = s.plan.spec
     drafter = spec.initial_drafter
     if drafter is None:
         raise LocalFleetError("static speculation needs a drafter", hint="add one to spec.drafters")
     for pod, client in clients.items():
         state = await client.state()
-        table = {b: (drafter.max_speculative_tokens if mode == "on" else 0) for b in state.k_by_bucket}
+        table = dict.fromkeys(state.k_by_bucket, drafter.max_speculative_tokens)
         policy = PolicyRequest(
-            policyVersion=state.policy_version + 1, drafter=drafter.name, mode=mode, kByBucket=table
+            policyVersion=state.policy_version + 1, drafter=drafter.name, mode="on", kByBucket=table
         )
         try:
             await client.put_policy(policy)
         except SidecarError as exc:
-            raise LocalFleetError(f"{pod}: the sidecar refused the {mode} policy: {exc}") from None
+            raise LocalFleetError(f"{pod}: the sidecar refused the static policy: {exc}") from None
 
 
-async def _run_traffic(s: Session, loadgen: LoadGenerator, label: str, pattern: TrafficPattern) -> None:
+async def _run_traffic(
+    s: Session,
+    loadgen: LoadGenerator,
+    label: str,
+    pattern: TrafficPattern,
+    endpoints: dict[str, str] | None = None,
+) -> None:
     s.run, s.pattern = label, pattern
     s.view.pattern = pattern
     s.run_started = asyncio.get_running_loop().time()
     s.say(f"run {label}: {pattern.render()}")
     loadgen.progress = None  # the previous run's, until this run makes its own
     s.view.progress = None
-    task = asyncio.create_task(loadgen.run(label, pattern))
+    task = asyncio.create_task(loadgen.run(label, pattern, endpoints))
     while s.view.progress is None and not task.done():
         s.view.progress = loadgen.progress
         await asyncio.sleep(0.05)
@@ -370,13 +394,14 @@ async def run_session(s: Session, rt: FleetRuntime) -> Path:
         try:
             runs: list[tuple[str, TrafficPattern]] = [(RUN_SPECSERVE, opts.pattern)]
             runs += [(label, opts.pattern.scaled(opts.compare_scale)) for label in opts.compare]
+            stock = {r.name: e.url for r, e in zip(plan.replicas, rt.stock_engines, strict=False)}
             for label, pattern in runs:
-                if label != RUN_SPECSERVE:
-                    await _push_fixed(s, clients, "off" if label == RUN_OFF else "on")
+                if label == RUN_STATIC:
+                    await _push_fixed(s, clients)
                 # Recorded before the run, so that a Ctrl-C in the middle still reports what ran.
                 windows[label] = (time.time(), math.inf)
                 patterns[label] = pattern
-                await _run_traffic(s, loadgen, label, pattern)
+                await _run_traffic(s, loadgen, label, pattern, stock if label == RUN_OFF else None)
                 windows[label] = (windows[label][0], time.time())
                 await asyncio.sleep(opts.settle_s)
         finally:

@@ -55,6 +55,7 @@ class LoadGenerator:
     records: list[RequestRecord] = field(default_factory=list)
     progress: LoadProgress | None = None
     _outstanding: dict[str, int] = field(default_factory=dict)
+    _run_endpoints: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -63,9 +64,13 @@ class LoadGenerator:
             if not self.prompts.get(domain):
                 raise ValueError(f"prompts[{domain!r}]: no prompts for this traffic domain")
 
-    async def run(self, label: str, pattern: TrafficPattern) -> list[RequestRecord]:
-        """Send the pattern's traffic; returns this run's records once every request has finished."""
-        self._outstanding = dict.fromkeys(self.endpoints, 0)
+    async def run(
+        self, label: str, pattern: TrafficPattern, endpoints: Mapping[str, str] | None = None
+    ) -> list[RequestRecord]:
+        """Send the pattern's traffic, to `endpoints` for this run if given (else the fleet's); returns
+        this run's records once every request has finished."""
+        self._run_endpoints = dict(endpoints or self.endpoints)
+        self._outstanding = dict.fromkeys(self._run_endpoints, 0)
         self.progress = LoadProgress(run=label, total_s=pattern.total_s)
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -125,7 +130,7 @@ class LoadGenerator:
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0.0}
         tokens, ok, error = 0, False, None
         try:
-            async with session.post(f"{self.endpoints[replica]}/v1/completions", json=body) as resp:
+            async with session.post(f"{self._run_endpoints[replica]}/v1/completions", json=body) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status == 200:
                     tokens = int(data["usage"]["completion_tokens"])

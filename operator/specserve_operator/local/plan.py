@@ -8,6 +8,7 @@ first segment, e.g. `pvc://models/tiny/target` → `MODELS_DIR/tiny/target`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,9 @@ class FleetPlan:
     run_dir: Path  # everything of this run: logs, configs, Prometheus' data, the report
     token_file: Path
     model_path: Path
+    # One stock vLLM per replica (no specserve flags, plugins or drafter) for the plain-decoding run, so
+    # that the report compares specserve with vLLM as users start it; empty when that run is not asked for.
+    stock_engines: tuple[EngineSpec, ...] = ()
 
 
 def _sidecar_drafter(d: DrafterSpec, models_dir: Path, index: int) -> SidecarDrafter:
@@ -130,8 +134,10 @@ def plan_fleet(
     replicas: int | None = None,
     kv_cache_gib: int = 1,
     cpu_cores: int | None = None,
+    stock_ports: list[int] | None = None,
 ) -> FleetPlan:
-    """Lay out every replica. `ports` supplies two free ports per replica (engine, sidecar)."""
+    """Lay out every replica. `ports` supplies two free ports per replica (engine, sidecar);
+    `stock_ports`, one per replica, adds a stock engine per replica for the plain-decoding run."""
     spec = resource.spec
     namespace = resource.metadata.namespace or DEFAULT_NAMESPACE
     count = spec.replicas if replicas is None else replicas
@@ -141,6 +147,8 @@ def plan_fleet(
         )
     if len(ports) < 2 * count:
         raise ValueError(f"ports: need {2 * count} free ports, got {len(ports)}")
+    if stock_ports is not None and len(stock_ports) < count:
+        raise ValueError(f"stock_ports: need {count} free ports, got {len(stock_ports)}")
     if not spec.drafters:
         raise LocalFleetError(
             "spec.drafters: the local fleet needs at least one drafter (it compares speculation with none)",
@@ -189,4 +197,16 @@ def plan_fleet(
             initialPolicy=initial_policy(spec),
         )
         plans.append(ReplicaPlan(pod, i, pod_dir, engine, engine_port, sidecar))
-    return FleetPlan(namespace, resource.metadata.name, spec, tuple(plans), run_dir, token_file, model_path)
+    stock = tuple(
+        dataclasses.replace(
+            r.engine,
+            runtime_dir=str(r.run_dir / "stock-runtime"),
+            drafter=None,
+            port=port,
+            stock=True,
+        )
+        for r, port in zip(plans, stock_ports or (), strict=False)
+    )
+    return FleetPlan(
+        namespace, resource.metadata.name, spec, tuple(plans), run_dir, token_file, model_path, stock
+    )

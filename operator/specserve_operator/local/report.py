@@ -22,7 +22,7 @@ RUN_STATIC = "static"
 RUN_ORDER = (RUN_SPECSERVE, RUN_OFF, RUN_STATIC)
 RUN_TITLES = {
     RUN_SPECSERVE: "specserve (live controller)",
-    RUN_OFF: "plain decoding (speculation off)",
+    RUN_OFF: "plain decoding (stock vLLM)",
     RUN_STATIC: "static speculation (max K everywhere)",
 }
 
