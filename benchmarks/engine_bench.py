@@ -1,13 +1,15 @@
 """Engine-pod benchmark on the tiny trained models: the sidecar's socket round trip, hot-switch latency
 under load, greedy identity and MAL per drafter and placement, and tokens per second per batch bucket.
 
-    .venv/bin/python benchmarks/engine_bench.py [--out benchmarks/results/engine.json]
+    .venv/bin/python benchmarks/engine_bench.py [--out benchmarks/results/engine.json] [--phase overhead]
 
-Phase 1 starts five real vLLM engines (no speculation; sidecar-hosted drafting through the custom_class
-proposer; vLLM's own ngram, suffix and draft-model drafters, colocated) and one sidecar process.
-Phase 2 starts the speculator heads vLLM runs colocated (EAGLE-3, EAGLE, Medusa on the tiny target; MTP
-inside the target re-packaged as MiMo) beside a plain engine per target. All on this machine's CPU;
-writes the JSON results, a PNG plot next to them, and a table on stdout.
+Phase 1 starts five real vLLM engines (a stock vLLM without specserve, the "plain" every ratio is
+against; sidecar-hosted drafting through the custom_class proposer; vLLM's own ngram, suffix and
+draft-model drafters, colocated) and one sidecar process. Phase 2 starts the speculator heads vLLM runs
+colocated (EAGLE-3, EAGLE, Medusa on the tiny target; MTP inside the target re-packaged as MiMo) beside a
+stock engine per target. The overhead phase (`--phase overhead` runs it alone and merges it into the
+results) measures engines with speculation off against a stock engine, interleaved round by round.
+All on this machine's CPU; writes the JSON results, PNG plots next to them, and tables on stdout.
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import itertools
 import json
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-from specserve_engine.api import SidecarDrafter
+from specserve_engine.api import PolicyRequest, SidecarDrafter
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.client import SidecarClient
 from specserve_engine.draft_protocol import DEADLINE_ENV, SOCKET_NAME
@@ -149,7 +153,7 @@ def measure_rtt(
     client = DraftClient(
         Path(sidecar.config.runtime_dir) / SOCKET_NAME,
         max_k=MAX_K,
-        max_model_len=4096,
+        max_model_len=length + calls + 8,
         vocab_size=512,
         deadline_s=1.0,
     )
@@ -207,11 +211,13 @@ async def switches_under_load(pod: Pod, reference: list[str], texts: list[str], 
     }
 
 
-async def throughput(engine: EngineProcess, batch: int, texts: list[str], tokens: int = 64) -> float:
+async def throughput(
+    engine: EngineProcess, batch: int, texts: list[str], tokens: int = 64, requests: int = 16
+) -> float:
     """Generated tokens per second with `batch` requests in flight (closed loop). Each slot runs enough
-    rounds that a measurement generates at least 16 requests' worth of tokens: at batch 1 two requests
-    last well under a second, too short to compare drafters on a shared machine."""
-    rounds = max(2, -(-16 // batch))
+    rounds that a measurement generates at least `requests` requests' worth of tokens: at batch 1 two
+    requests last well under a second, too short to compare drafters on a shared machine."""
+    rounds = max(2, -(-requests // batch))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
 
         async def one(i: int) -> int:
@@ -313,6 +319,7 @@ def engine_spec(
     model: Path = TARGET,
     env: dict[str, str] | None = None,
     runtime_dir: Path | None = None,
+    stock: bool = False,
 ) -> EngineSpec:
     return EngineSpec(
         model=str(model),
@@ -323,6 +330,7 @@ def engine_spec(
         bucket_bounds=BUCKETS,
         env=env or {},
         dtype=DTYPE,
+        stock=stock,
     )
 
 
@@ -331,8 +339,8 @@ async def run_heads(workdir: Path) -> dict:
     engine on the same target."""
     workdir.mkdir(parents=True, exist_ok=True)
     specs = [
-        engine_spec(workdir, "plain", None),
-        engine_spec(workdir, "plain-mimo", None, model=MIMO_TARGET),
+        engine_spec(workdir, "plain", None, stock=True),
+        engine_spec(workdir, "plain-mimo", None, model=MIMO_TARGET, stock=True),
         *(engine_spec(workdir, name, d, model=target_of(d)) for name, d in HEADS.items()),
     ]
     t0 = time.perf_counter()
@@ -376,7 +384,7 @@ async def run(workdir: Path) -> dict:
         return engine_spec(workdir, name, drafter, env=env, runtime_dir=runtime_dir)
 
     specs = [
-        spec("tiny-plain", None),
+        engine_spec(workdir, "tiny-plain", None, stock=True),
         # The engine and the sidecar share the runtime dir: the draft socket and policy.json live there.
         spec("tiny-sidecar", ENGINE_DRAFTER, {DEADLINE_ENV: "250"}, runtime),
         *(spec(f"tiny-colocated-{n}", d) for n, d in COLOCATED.items()),
@@ -415,7 +423,7 @@ async def run(workdir: Path) -> dict:
         mixed = mixed_prompts()
         results["tokens_per_s"] = {}
         for batch in THROUGHPUT_BATCHES:
-            row = {}
+            row = {"plain": round(await throughput(plain, batch, mixed), 1)}
             await pod.apply("ngram", 0, "off")
             row["off"] = round(await throughput(sidecar_engine, batch, mixed), 1)
             for name in SIDECAR_DRAFTERS:
@@ -447,27 +455,327 @@ async def run(workdir: Path) -> dict:
         pod.sidecar.stop()
 
 
+# The overhead phase: an engine whose speculation is off against vLLM started as users start it.
+OVERHEAD_BATCHES = (1, 4, 16, 32)
+OVERHEAD_ROUNDS = 7
+OVERHEAD_GOAL = 0.98
+RESUME_STRETCH_S = 60.0
+RESUME_DRAFTS = 800  # vLLM counts a draft per request per speculative step: 200 steps at batch 4
+RESUME_TOKENS = 256
+BOUNDARY_LOW, BOUNDARY_HIGH = 3, 5  # in flight: bucket 4 (K = MAX_K) and bucket 8 (K = 0)
+BOUNDARY_S = 20.0
+BOUNDARY_PERIOD_S = 2.0
+
+
+OVERHEAD_SETUP = (
+    "off_overhead: five engines up at once, one measured at a time (closed loop, mixed prompts, 64 tokens); "
+    "stock = vLLM started without specserve (same model, dtype float32, eager, max-num-seqs 32, threads; "
+    "no scheduler, worker, logging or speculative flags, VLLM_PLUGINS empty); specserve-no-drafter = "
+    "specserve's flags and plugins, no drafter; sidecar-off = the sidecar-hosted engine with policy mode "
+    "off; colocated-*-off = vLLM's n-gram and an EAGLE-3 head with every bucket at K = 0"
+)
+
+
+def overhead_requests(batch: int) -> int:
+    """Requests per measurement: about three seconds of decoding at every batch size on this CPU."""
+    return {1: 16, 4: 32, 16: 64}.get(batch, 4 * batch)
+
+
+async def run_overhead(
+    workdir: Path, rounds: int = OVERHEAD_ROUNDS, stretch_s: float = RESUME_STRETCH_S
+) -> dict:
+    """off_overhead: tokens/s of each engine with speculation off divided by a stock engine's, measured
+    round by round (every engine at every batch size in a round, in a rotating order), so that the
+    machine's drift hits all of them alike; medians and spread of the per-round ratios."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    runtime = workdir / "sidecar-pod"
+    sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
+    eagle3 = HEADS["tiny-eagle3"]
+    specs = [
+        engine_spec(workdir, "stock", None, stock=True),
+        engine_spec(workdir, "specserve-no-drafter", None),
+        engine_spec(workdir, "sidecar-off", ENGINE_DRAFTER, env={DEADLINE_ENV: "250"}, runtime_dir=runtime),
+        engine_spec(workdir, "colocated-ngram-off", NGRAM),
+        engine_spec(workdir, "colocated-eagle3-off", eagle3, model=target_of(eagle3)),
+    ]
+    sidecar.wait_ready()
+    t0 = time.perf_counter()
+    engines = start_engines(specs, workdir / "logs", timeout_s=1200)
+    print(f"overhead engines up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    pod = Pod(engines[2], sidecar)
+    try:
+        await pod.apply("ngram", 0, "off")
+        # The specserve path's host time per step (pack, socket, row table, answer), no draft compute.
+        on_overhead = {
+            f"batch {rows}, context {length}": measure_rtt(sidecar, calls=1000, rows=rows, length=length)
+            for rows in (1, 16)
+            for length in (256, 4096)
+        }
+        for engine, drafter in ((engines[3], NGRAM), (engines[4], eagle3)):
+            off = {b: 0 for b in bucket_labels(BUCKETS)}
+            write_policy(PodPolicy(1, drafter.name, "off", off, BUCKETS), engine.spec.runtime_dir)
+        mixed = mixed_prompts()
+        for engine in engines:  # warm every engine once, outside the measurement
+            await throughput(engine, 4, mixed, requests=4)
+        names = [e.spec.served_model_name for e in engines]
+        tps: dict[str, dict[str, list[float]]] = {str(b): {n: [] for n in names} for b in OVERHEAD_BATCHES}
+        for r in range(rounds):
+            for batch in OVERHEAD_BATCHES:
+                order = engines[r % len(engines) :] + engines[: r % len(engines)]
+                for engine in order:
+                    value = await throughput(engine, batch, mixed, requests=overhead_requests(batch))
+                    tps[str(batch)][engine.spec.served_model_name].append(round(value, 1))
+                print(f"overhead round {r + 1}/{rounds}: batch {batch} done", file=sys.stderr)
+        results = {
+            "off_overhead": overhead_summary(tps, "stock"),
+            "off_overhead_tokens_per_s": tps,
+            "on_overhead_ms_per_step": on_overhead,
+        }
+        # Drafters with state: the sidecar's (through the pod's policy) and vLLM's EAGLE-3 (policy file).
+        colocated_eagle3 = engines[4]
+        versions = itertools.count(2)
+
+        async def set_eagle3(table: dict[str, int]) -> None:
+            policy = PodPolicy(next(versions), eagle3.name, "on", table, BUCKETS)
+            write_policy(policy, colocated_eagle3.spec.runtime_dir)
+
+        setters = {name: _sidecar_setter(pod, name) for name in ("tiny-draft", "self", "suffix")}
+        setters["eagle3 (colocated)"] = set_eagle3
+        targets = {name: pod.engine for name in ("tiny-draft", "self", "suffix")}
+        targets["eagle3 (colocated)"] = colocated_eagle3
+        results["resume_mal_ratio"] = {}
+        for name, setter in setters.items():
+            results["resume_mal_ratio"][name] = await resume_mal(targets[name], setter, mixed, stretch_s)
+            print(f"resume {name}: {results['resume_mal_ratio'][name]}", file=sys.stderr)
+        results["boundary_oscillation_ratio"] = {}
+        for name in ("tiny-draft", "eagle3 (colocated)"):
+            ratio = await boundary_oscillation(targets[name], setters[name], mixed)
+            results["boundary_oscillation_ratio"][name] = ratio
+            print(f"boundary {name}: {ratio}", file=sys.stderr)
+        return results
+    finally:
+        for engine in engines:
+            engine.stop()
+        sidecar.stop()
+
+
+SetTable = Callable[[dict[str, int]], Awaitable[None]]
+
+
+def _sidecar_setter(pod: Pod, drafter: str) -> SetTable:
+    async def put(table: dict[str, int]) -> None:
+        pod.version += 1
+        async with aiohttp.ClientSession() as session:
+            client = SidecarClient(pod.sidecar.url, None, session, timeout_s=60)
+            await client.put_policy(
+                PolicyRequest(policyVersion=pod.version, drafter=drafter, mode="on", kByBucket=table)
+            )
+            while (await client.state()).policy_version != pod.version:
+                await asyncio.sleep(0.01)
+
+    return put
+
+
+class ClosedLoop:
+    """Clients sending requests back to back; `active` says how many of them send now."""
+
+    def __init__(self, engine: EngineProcess, texts: list[str], slots: int, tokens: int) -> None:
+        self.engine, self.texts, self.slots, self.tokens = engine, texts, slots, tokens
+        self.active = slots
+        self.generated = 0
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> ClosedLoop:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900))
+        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.slots)]
+        return self
+
+    async def _client(self, i: int) -> None:
+        assert self._session is not None
+        r = 0
+        while not self._stop.is_set():
+            if i >= self.active:
+                await asyncio.sleep(0.01)
+                continue
+            text = self.texts[(i + r) % len(self.texts)]
+            _, n = await complete(
+                self._session, self.engine.url, self.engine.spec.served_model_name, text, self.tokens
+            )
+            self.generated += n
+            r += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        assert self._session is not None
+        await self._session.close()
+
+
+async def mal_over(engine: EngineProcess, drafts: int) -> float:
+    """MAL of the next `drafts` drafts the engine makes (vLLM's own counters; load must be running)."""
+    d0, a0 = await spec_totals(engine)
+    d1, a1 = d0, a0
+    while d1 - d0 < drafts:
+        await asyncio.sleep(0.2)
+        d1, a1 = await spec_totals(engine)
+    return 1 + (a1 - a0) / (d1 - d0)
+
+
+async def resume_mal(engine: EngineProcess, set_table: SetTable, texts: list[str], stretch_s: float) -> dict:
+    """MAL over the first RESUME_DRAFTS drafts after `stretch_s` of K = 0 (under load throughout),
+    divided by MAL over as many drafts before it."""
+    on = dict.fromkeys(bucket_labels(BUCKETS), MAX_K)
+    async with ClosedLoop(engine, texts, 4, RESUME_TOKENS):
+        await set_table(on)
+        await asyncio.sleep(5.0)  # past the switch and the requests that started before it
+        before = await mal_over(engine, RESUME_DRAFTS)
+        await set_table(dict.fromkeys(bucket_labels(BUCKETS), 0))
+        await asyncio.sleep(stretch_s)
+        await set_table(on)
+        after = await mal_over(engine, RESUME_DRAFTS)
+    return {"ratio": round(after / before, 3), "mal_before": round(before, 3), "mal_after": round(after, 3)}
+
+
+async def boundary_oscillation(engine: EngineProcess, set_table: SetTable, texts: list[str]) -> dict:
+    """Tokens/s while the load alternates between BOUNDARY_LOW and BOUNDARY_HIGH requests in flight
+    across a bucket boundary where K changes (K = MAX_K up to bucket 4, 0 above), divided by the mean of
+    the two steady states' tokens/s (half the time at each)."""
+    table = {b: (MAX_K if b in ("1", "2", "4") else 0) for b in bucket_labels(BUCKETS)}
+    await set_table(table)
+    steady = {}
+    for n in (BOUNDARY_LOW, BOUNDARY_HIGH):
+        async with ClosedLoop(engine, texts, n, 64) as load:
+            await asyncio.sleep(1.0)
+            g0, t0 = load.generated, time.perf_counter()
+            await asyncio.sleep(BOUNDARY_S)
+            steady[n] = (load.generated - g0) / (time.perf_counter() - t0)
+    async with ClosedLoop(engine, texts, BOUNDARY_HIGH, 64) as load:
+        await asyncio.sleep(1.0)
+        g0, t0 = load.generated, time.perf_counter()
+        while time.perf_counter() - t0 < BOUNDARY_S:
+            load.active = BOUNDARY_LOW if load.active == BOUNDARY_HIGH else BOUNDARY_HIGH
+            await asyncio.sleep(BOUNDARY_PERIOD_S / 2)
+        alternating = (load.generated - g0) / (time.perf_counter() - t0)
+    interpolated = (steady[BOUNDARY_LOW] + steady[BOUNDARY_HIGH]) / 2
+    return {
+        "ratio": round(alternating / interpolated, 3),
+        "tokens_per_s": {
+            f"steady {BOUNDARY_LOW}": round(steady[BOUNDARY_LOW], 1),
+            f"steady {BOUNDARY_HIGH}": round(steady[BOUNDARY_HIGH], 1),
+            "alternating": round(alternating, 1),
+        },
+    }
+
+
+def overhead_summary(tps: dict[str, dict[str, list[float]]], stock: str) -> dict:
+    """Per batch size and engine: the median, min and max over rounds of tokens/s / the stock engine's
+    tokens/s in the same round."""
+    out: dict = {}
+    for batch, row in tps.items():
+        out[batch] = {}
+        for name, values in row.items():
+            if name == stock:
+                continue
+            ratios = [v / s for v, s in zip(values, row[stock], strict=True)]
+            out[batch][name] = {
+                "median": round(statistics.median(ratios), 3),
+                "min": round(min(ratios), 3),
+                "max": round(max(ratios), 3),
+            }
+    return out
+
+
+def overhead_table(results: dict) -> str:
+    summary = results["off_overhead"]
+    names = list(next(iter(summary.values())))
+    lines = [f"off_overhead (tokens/s / stock vLLM, median [min-max] of rounds; goal >= {OVERHEAD_GOAL})"]
+    lines.append(f"{'batch':8}" + "".join(f"{n:>26}" for n in names))
+    for batch, row in summary.items():
+        cells = [f"{row[n]['median']:.3f} [{row[n]['min']:.2f}-{row[n]['max']:.2f}]" for n in names]
+        lines.append(f"{batch:8}" + "".join(f"{c:>26}" for c in cells))
+    lines += [
+        "",
+        f"resume_mal_ratio (MAL after {RESUME_DRAFTS} drafts following K = 0 / before; goal >= 0.95)",
+    ]
+    for name, r in results["resume_mal_ratio"].items():
+        lines.append(f"  {name:22} {r['ratio']:.3f}   (MAL {r['mal_before']:.2f} -> {r['mal_after']:.2f})")
+    lines += ["", f"boundary_oscillation_ratio ({BOUNDARY_LOW} <-> {BOUNDARY_HIGH} in flight; goal >= 0.95)"]
+    for name, r in results["boundary_oscillation_ratio"].items():
+        lines.append(f"  {name:22} {r['ratio']:.3f}   {r['tokens_per_s']}")
+    return "\n".join(lines)
+
+
+def plot_overhead(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(summary)
+    names = list(next(iter(summary.values())))
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for j, name in enumerate(names):
+        xs = [i + j * width for i in range(len(batches))]
+        med = [summary[b][name]["median"] for b in batches]
+        lo = [m - summary[b][name]["min"] for b, m in zip(batches, med, strict=True)]
+        hi = [summary[b][name]["max"] - m for b, m in zip(batches, med, strict=True)]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=name)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(OVERHEAD_GOAL, color="red", lw=0.8, ls="--", label=f"goal {OVERHEAD_GOAL}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("tokens/s relative to stock vLLM")
+    ratios = [v for row in summary.values() for r in row.values() for v in (r["min"], r["max"])]
+    ax.set_ylim(min(0.8, min(ratios) - 0.05), max(1.1, max(ratios) + 0.05))
+    ax.set_title("Speculation off: cost against vLLM without specserve (median, min-max of rounds)")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine.json"))
+    parser.add_argument(
+        "--phase",
+        choices=("all", "overhead"),
+        default="all",
+        help="all (default): every phase; overhead: only the off_overhead phase, merged into --out",
+    )
+    parser.add_argument("--rounds", type=int, default=OVERHEAD_ROUNDS, help="overhead rounds")
+    parser.add_argument(
+        "--stretch", type=float, default=RESUME_STRETCH_S, help="seconds of K = 0 before resuming"
+    )
     args = parser.parse_args()
     out = Path(args.out)
-    with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
-        results = asyncio.run(run(Path(tmp) / "phase1"))
-        # One phase at a time: both sets of engines at once would not fit in a small machine's memory.
-        heads = asyncio.run(run_heads(Path(tmp) / "phase2"))
-    results["greedy_identical"].update(heads["greedy_identical"])
-    results["mal"].update(heads["mal"])
-    results["tokens_per_s_colocated_heads"] = heads["tokens_per_s"]
-    results["setup"]["notes"].append(
-        "tokens_per_s_colocated_heads (phase 2, its own engines) compares each colocated head with the "
-        "plain engine on the same target: plain for EAGLE-3, EAGLE and Medusa; plain-mimo for MTP"
-    )
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.phase == "all":
+        with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
+            results = asyncio.run(run(Path(tmp) / "phase1"))
+            # One phase at a time: both sets of engines at once would not fit in a small machine's memory.
+            heads = asyncio.run(run_heads(Path(tmp) / "phase2"))
+        results["greedy_identical"].update(heads["greedy_identical"])
+        results["mal"].update(heads["mal"])
+        results["tokens_per_s_colocated_heads"] = heads["tokens_per_s"]
+        results["setup"]["notes"].append(
+            "tokens_per_s_colocated_heads (phase 2, its own engines) compares each colocated head with the "
+            "stock engine on the same target: plain for EAGLE-3, EAGLE and Medusa; plain-mimo for MTP"
+        )
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        plot(results, out.with_suffix(".png"))
+        print(table(results))
+    with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
+        measured = asyncio.run(run_overhead(Path(tmp), args.rounds, args.stretch))
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results.update(measured)
+    results.setdefault("setup", {})["overhead"] = OVERHEAD_SETUP
     out.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(table(results))
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    overhead_plot = out.with_name(out.stem + "_overhead.png")
+    plot_overhead(measured["off_overhead"], overhead_plot)
+    print(overhead_table(measured))
+    print(f"\nwrote {out}, its plots and {overhead_plot}")
 
 
 if __name__ == "__main__":
