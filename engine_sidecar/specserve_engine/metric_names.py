@@ -77,13 +77,21 @@ SPEC_DRAFT_TOKENS_PER_POSITION = Metric(
     (MODEL, BUCKET, DRAFTER, POSITION),
     "Drafts that proposed a token at this position (0-based): the denominator of per-position acceptance.",
 )
+# The sidecar proposer's engine steps (vllm_plugins/proposer.py): answered in time, missed (late or an
+# error) or skipped (no connection to the sidecar).
+PROPOSER_CALLS = Metric(
+    "specserve_proposer_calls",
+    "counter",
+    (MODEL, "outcome"),
+    "Engine steps that asked the sidecar for drafts, by outcome (answered, missed, skipped).",
+)
 
 # --- sidecar ----------------------------------------------------------------------------------------
 SIDECAR_POLICY_INFO = Metric(
     "specserve_sidecar_policy_info",
     "gauge",
-    (DRAFTER, "mode", "policy_version"),
-    "The policy in force (value 1).",
+    (DRAFTER, "mode", "policy_version", "drafter_status"),
+    "The policy in force (value 1); drafter_status is the status of its drafter (failed: it drafts nothing).",
 )
 SIDECAR_K = Metric("specserve_sidecar_k", "gauge", (BUCKET,), "Speculative tokens in force per bucket.")
 SIDECAR_SWITCHES = Metric(
@@ -94,6 +102,12 @@ SIDECAR_DRAFT_SECONDS = Metric(
     "histogram",
     (DRAFTER,),
     "Time the sidecar took to answer a draft call.",
+)
+SIDECAR_DRAFTER_ERRORS = Metric(
+    "specserve_sidecar_drafter_errors",
+    "counter",
+    (DRAFTER,),
+    "Draft calls on which the drafter raised (that step got no drafts).",
 )
 
 # --- operator ---------------------------------------------------------------------------------------
@@ -130,10 +144,12 @@ SPECSERVE_METRICS: tuple[Metric, ...] = (
     SPEC_ACCEPTED_TOKENS,
     SPEC_ACCEPTED_TOKENS_PER_POSITION,
     SPEC_DRAFT_TOKENS_PER_POSITION,
+    PROPOSER_CALLS,
     SIDECAR_POLICY_INFO,
     SIDECAR_K,
     SIDECAR_SWITCHES,
     SIDECAR_DRAFT_SECONDS,
+    SIDECAR_DRAFTER_ERRORS,
     OPERATOR_DECISIONS,
     OPERATOR_TICK_SECONDS,
     OPERATOR_RECOMMENDED_K,
@@ -188,3 +204,13 @@ def known_series() -> frozenset[str]:
     """Every series name a dashboard or alert may query."""
     own = {s for m in SPECSERVE_METRICS for s in m.series}
     return frozenset(own | set(EXTERNAL_SERIES) | set(RECORDING_RULES))
+
+
+# The tuner's input validation (operator/specserve_operator/tuner/observations.py, build_snapshot).
+OPERATOR_DROPPED_ROWS = Metric(
+    "specserve_operator_dropped_rows",
+    "counter",
+    ("reason",),
+    "Prometheus rows (or a bucket's folded counters) the tuner rejected as invalid, by reason.",
+)
+SPECSERVE_METRICS += (OPERATOR_DROPPED_ROWS,)

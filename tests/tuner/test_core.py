@@ -132,7 +132,8 @@ def test_off_bucket_with_traffic_is_explored_on_one_canary(spec_factory, rows_fo
     spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
     view = view_of(spec)
     state = core.ResourceState.initial(spec)
-    state.flipped_at["128"] = -10.0  # switched off 10 s ago: stays off for the cooldown
+    # Bucket 128 switched off 10 s ago: it stays off for the cooldown.
+    state.k_by_bucket["128"], state.flipped_at["128"] = 0, -10.0
     prior = view.prior(spec.drafters[0])
     loads = healthy_loads(bucket_load, prior, slow_high=1.0)
     # Bucket 128 sees traffic but never speculated: no measurement of its speculative step time.

@@ -50,8 +50,14 @@ def test_nothing_is_decided_without_every_pods_metrics(spec_factory, rows_for, b
     both = build_snapshot(
         rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads), 300.0
     )
-    assert core.missing_data(view_of(spec, pods=()), both) == ("hold", "no ready pods")
-    assert core.missing_data(view_of(spec), one) == ("noData", "no metrics for pods pod-b")
+    assert core.missing_data(view_of(spec, pods=()), both) == core.MissingData(
+        "hold", "no ready pods", None, push=True
+    )
+    partial = core.missing_data(view_of(spec), one)
+    assert partial == core.MissingData("noData", "no metrics for pods pod-b", core.PARTIAL_DATA, push=True)
+    none = core.missing_data(view_of(spec), build_snapshot([], 300.0))
+    assert none is not None and none.action == "noData" and none.warning == core.METRICS_MISSING
+    assert not none.push
     assert core.missing_data(view_of(spec), both) is None
 
 

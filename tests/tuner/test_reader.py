@@ -3,6 +3,7 @@ a Prometheus that is down, slow or answers garbage."""
 
 from __future__ import annotations
 
+import gc
 import shutil
 import socket
 import threading
@@ -11,8 +12,10 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from prometheus_client import REGISTRY
 
-from specserve_operator.tuner import core
+from specserve_engine import metric_names
+from specserve_operator.tuner import core, observations
 from specserve_operator.tuner.policy import expected_tokens
 from specserve_operator.tuner.reader import MetricsUnavailable, PrometheusReader, fleet_queries
 
@@ -159,3 +162,44 @@ def test_prometheus_garbage(stub_prometheus, body: bytes) -> None:
     with pytest.raises(MetricsUnavailable) as err:
         PrometheusReader(stub_prometheus(body), timeout_s=1).read()
     assert err.value.reason == "PrometheusGarbage"
+
+
+def test_rows_rejected_at_the_boundary_are_counted(stub_prometheus) -> None:
+    labels = '"namespace":"ml","pod":"p","bucket":"4","speculating":"false"'
+    result = [
+        f'{{"metric":{{"m":"steps",{labels}}},"value":[0,"+Inf"]}}',
+        f'{{"metric":{{"m":"step_seconds",{labels}}},"value":[0,"-3"]}}',
+        f'{{"metric":{{"m":"tokens",{labels}}},"value":[0,"12"]}}',
+    ]
+    body = '{"status":"success","data":{"resultType":"vector","result":[' + ",".join(result) + "]}}"
+    before = {r: _dropped(r) for r in (observations.DROP_NON_FINITE, observations.DROP_NEGATIVE)}
+    snap = PrometheusReader(stub_prometheus(body.encode()), timeout_s=1).read()
+    # Each of the four queries got the same answer.
+    assert snap.dropped == {observations.DROP_NON_FINITE: 4, observations.DROP_NEGATIVE: 4}
+    assert {r: _dropped(r) - n for r, n in before.items()} == snap.dropped
+
+
+def _dropped(reason: str) -> float:
+    return REGISTRY.get_sample_value(metric_names.OPERATOR_DROPPED_ROWS.series[0], {"reason": reason}) or 0.0
+
+
+def test_the_reader_leaves_the_garbage_collector_alone(stub_prometheus) -> None:
+    """The reader runs in a worker thread: switching the collector off there switches it off for the
+    whole operator while the read lasts."""
+    seen: list[bool] = []
+
+    class Handler(_Stub):
+        body = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
+
+        def do_GET(self) -> None:
+            seen.append(gc.isenabled())  # same process: the collector's state while the reader waits
+            super().do_GET()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        PrometheusReader(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=2).read()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [True] * len(fleet_queries(300))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from specserve_engine.buckets import bucket_for, bucket_labels
 from specserve_operator.api.models import DrafterSpec, SpeculationSpec, SpeculativeServingSpec
 from specserve_operator.tuner import policy
-from specserve_operator.tuner.costmodel import StepCostPrior, drafter_cost, gpu_spec, model_shape
+from specserve_operator.tuner.costmodel import StepCostPrior, drafter_cost, gpu_spec, known_gpu, model_shape
 from specserve_operator.tuner.observations import BucketStats, FleetSnapshot, PodObservation
 
 # A drafter beats the one in force only by this much predicted goodput (no switching on noise).
@@ -25,6 +25,11 @@ EXPLORE_TICKS = 2
 # A demotion is reconsidered (the drafter tried again) after this long: traffic changes.
 DEMOTION_TTL_S = 3600.0
 DEFAULT_GPU = "NVIDIA-H100"
+# Decision.warnings keys: condition reasons (CamelCase) the operator reports on the resource.
+METRICS_MISSING = "MetricsMissing"  # no pod of the resource has engine metrics yet: nothing is pushed
+PARTIAL_DATA = "PartialData"  # some pods have no engine metrics: the policy in force stays
+UNKNOWN_GPU = "UnknownGpu"  # engine.gpu.product is not in the cost model's table: a generic prior
+DRAFTER_ERRORS = "DrafterErrors"  # a drafter's sidecar calls failed in the window
 
 
 def live_switchable(drafter: DrafterSpec, engine_drafter: str | None) -> bool:
@@ -53,6 +58,10 @@ class ResourceView:
     @property
     def gpu_product(self) -> str:
         return self.spec.engine.gpu.product or DEFAULT_GPU
+
+    @property
+    def gpu_known(self) -> bool:
+        return known_gpu(self.gpu_product) is not None
 
     def cost_group(self, drafter: DrafterSpec) -> tuple[str, str, int, str, str, bool]:
         """Step-time measurements are shared by every resource with the same model, GPU and drafter (a head
@@ -105,6 +114,9 @@ class ResourceState:
     cliff: int | None = None
     pod_drafter: dict[str, tuple[str, float]] = field(default_factory=dict)  # pod → (drafter, since)
     last_score: dict[str, float] = field(default_factory=dict)  # drafter → its last measured score
+    # Whether the policy was ever decided on measurements (or pushed, per status): until then it is only
+    # the one the pods start with, and a tick without metrics pushes nothing.
+    decided: bool = False
 
     def switched_pods(self, now: float, window_s: float) -> set[str]:
         """Pods whose drafter changed within the metrics window: their speculative step times mix two
@@ -125,14 +137,20 @@ class ResourceState:
         if engine is None and first is not None and first.placement == "colocated":
             engine = first.name
         labels = bucket_labels(spec.speculation.batch_buckets)
-        k_status = status.get("kByBucket") or {}
-        k_by_bucket = {label: int(k_status.get(label, 0)) for label in labels}
+        k_status = status.get("kByBucket")
+        if k_status:
+            k_by_bucket = {label: int(k_status.get(label, 0)) for label in labels}
+        else:
+            # Nothing pushed yet: the pods run the policy they start with (render.initial_policy).
+            start_k = spec.drafter(drafter).max_speculative_tokens if drafter else 0
+            k_by_bucket = {label: 0 if spec.speculation.mode == "off" else start_k for label in labels}
         return cls(
             drafter=drafter,
             k_by_bucket=k_by_bucket,
             engine_drafter=engine,
             policy_version=int(status.get("policyVersion") or 0),
             cliff=status.get("cliffBatchSize"),
+            decided=bool(k_status),
         )
 
 
@@ -165,6 +183,16 @@ class Decision:
     pod_drafter: dict[str, str | None] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)
     demoted: tuple[str, ...] = ()
+    # False: push nothing this tick, every pod keeps the policy it runs (no engine metrics from any pod,
+    # and no policy decided on metrics yet: nothing may replace the policy the pods started with).
+    push: bool = True
+    # Condition reason (CamelCase, the constants above) → message: what the operator should show on the
+    # resource although the decision went through (an unknown GPU, missing metrics, a failing drafter).
+    warnings: dict[str, str] = field(default_factory=dict)
+
+
+class CostModelError(Exception):
+    """Step costs could not be set up for one resource or cost group; only that resource fails."""
 
 
 class FleetCosts:
@@ -173,7 +201,11 @@ class FleetCosts:
     speculative measurements borrows its siblings' (same model, GPU and TP, another drafter). With
     `memory` (kept by the caller between ticks), every ratio measured in this window is remembered, and a
     bucket without a measurement in the window uses its remembered ratio (until `memory.ttl_s` after
-    `now`)."""
+    `now`).
+
+    One resource's failure stays its own: a view whose priors cannot be built, or a group whose
+    measurements cannot be calibrated, is left out of the pooling, and `cost` raises CostModelError for
+    it alone, so deciding for every other resource goes on."""
 
     def __init__(
         self,
@@ -187,39 +219,72 @@ class FleetCosts:
         pooled: dict[tuple, dict[str, BucketStats]] = {}
         self._priors: dict[tuple, StepCostPrior] = {}
         self._bounds: dict[tuple, tuple[int, ...]] = {}
+        self._failed: dict[tuple, Exception] = {}  # view key or cost group → why its costs are unknown
         for view in views:
-            by_name = {d.name: d for d in view.spec.drafters}
-            for d in view.spec.drafters:
-                group = view.cost_group(d)
-                self._priors.setdefault(group, view.prior(d))
+            try:
+                priors = {view.cost_group(d): view.prior(d) for d in view.spec.drafters}
+                measured = self._pod_stats(view, snapshot, mixed_pods)
+            except Exception as exc:  # anything one resource's spec or data raises is that resource's
+                self._failed[view.key] = exc
+                continue
+            for group, prior in priors.items():
+                self._priors.setdefault(group, prior)
                 self._bounds.setdefault(group, tuple(view.spec.speculation.batch_buckets))
-            for pod in view.pods:
-                obs = snapshot.pods.get((view.namespace, pod))
-                if obs is None or obs.drafter not in by_name:
-                    continue
-                group = view.cost_group(by_name[obs.drafter])
+            for group, stats in measured:
                 target = pooled.setdefault(group, {})
-                for label, stats in obs.buckets.items():
-                    if (view.namespace, pod) in mixed_pods:
-                        stats = BucketStats(stats.steps_plain, stats.seconds_plain, stats.tokens_plain)
-                    target.setdefault(label, BucketStats()).add(stats)
+                for label, s in stats.items():
+                    target.setdefault(label, BucketStats()).add(s)
         self._pooled = pooled
         groups = set(memory.plain) | set(memory.spec) if memory is not None else set()
         self._remembered = {group: memory.recall(group, now) for group in groups}  # type: ignore[union-attr]
         # Each measured group on its own measurements: what it remembers, and what its siblings borrow.
-        self._measured = {
-            group: policy.CalibratedCost(
-                self._priors[group], stats, self._bounds[group], None, self._remembered.get(group, ({}, {}))
-            )
-            for group, stats in pooled.items()
-        }
+        self._measured: dict[tuple, policy.CalibratedCost] = {}
+        for group, stats in pooled.items():
+            try:
+                self._measured[group] = policy.CalibratedCost(
+                    self._priors[group],
+                    stats,
+                    self._bounds[group],
+                    None,
+                    self._remembered.get(group, ({}, {})),
+                )
+            except Exception as exc:  # the group's resources fail, not the tick
+                self._failed[group] = exc
         if memory is not None:
             for group, measured in self._measured.items():
                 memory.record(group, measured.plain_ratio, measured.spec_ratio, now)
         self._costs: dict[tuple, policy.CalibratedCost] = {}
 
+    @staticmethod
+    def _pod_stats(
+        view: ResourceView, snapshot: FleetSnapshot, mixed_pods: set[tuple[str, str]]
+    ) -> list[tuple[tuple, dict[str, BucketStats]]]:
+        """Each pod's bucket counters with its cost group; a pod whose drafter changed within the window
+        (`mixed_pods`) contributes its plain steps only."""
+        by_name = {d.name: d for d in view.spec.drafters}
+        out = []
+        for pod in view.pods:
+            obs = snapshot.pods.get((view.namespace, pod))
+            if obs is None or obs.drafter not in by_name:
+                continue
+            plain_only = (view.namespace, pod) in mixed_pods
+            stats: dict[str, BucketStats] = {}
+            for label, s in obs.buckets.items():
+                # Copied here, so that whatever a pod's data raises is raised before anything is pooled.
+                if plain_only:
+                    stats[label] = BucketStats(s.steps_plain, s.seconds_plain, s.tokens_plain)
+                else:
+                    stats[label] = BucketStats()
+                    stats[label].add(s)
+            out.append((view.cost_group(by_name[obs.drafter]), stats))
+        return out
+
     def cost(self, view: ResourceView, drafter: DrafterSpec) -> policy.CalibratedCost:
         group = view.cost_group(drafter)
+        for key in (view.key, group):
+            if key in self._failed:
+                error = self._failed[key]
+                raise CostModelError(f"step costs of {'/'.join(key[:2])}: {error!r}") from error
         if group not in self._costs:
             measured = self._measured.get(group)
             if measured is not None and measured.spec_ratio:
@@ -266,20 +331,37 @@ def forced_policy(spec: SpeculativeServingSpec) -> ForcedPolicy | None:
     return None
 
 
-def missing_data(view: ResourceView, snapshot: FleetSnapshot) -> tuple[str, str] | None:
-    """(action, reason) when there is nothing to decide on: no ready pod, or a pod without engine metrics.
-    Partial data: deciding on the pods that answered could push the others a policy learned from a
-    different load; everything in force stays until the whole group is seen again."""
+@dataclass(frozen=True)
+class MissingData:
+    """Why there is nothing to decide on, and what follows for the pods."""
+
+    action: str  # hold | noData
+    reason: str
+    warning: str | None  # the condition reason (METRICS_MISSING or PARTIAL_DATA), None when no pods
+    push: bool  # False: no pod has metrics (pushed all the same once a policy was decided on metrics)
+
+
+def missing_data(view: ResourceView, snapshot: FleetSnapshot) -> MissingData | None:
+    """What holds the decision back: no ready pod, or a pod without engine metrics.
+
+    No pod with metrics (a new resource, or a Prometheus that never scrapes it): nothing is decided, and
+    until a policy was decided on metrics nothing is pushed, so the pods keep the policy they started
+    with. Some pods without: deciding on the pods that answered could push the others a policy learned
+    from a different load; the remembered policy stays in force (and is pushed, so that a pod started
+    later gets it)."""
     if not view.pods:
-        return "hold", "no ready pods"
+        return MissingData("hold", "no ready pods", None, push=True)
     missing = [
         p
         for p in view.pods
         if not snapshot.pods.get((view.namespace, p), PodObservation("", "")).has_engine_data
     ]
-    if missing:
-        return "noData", f"no metrics for pods {', '.join(sorted(missing))}"
-    return None
+    if not missing:
+        return None
+    reason = f"no metrics for pods {', '.join(sorted(missing))}"
+    if len(missing) == len(view.pods):
+        return MissingData("noData", reason, METRICS_MISSING, push=False)
+    return MissingData("noData", reason, PARTIAL_DATA, push=True)
 
 
 def measured_acceptance(
@@ -334,6 +416,21 @@ class Demotions:
     notes: list[str]
 
 
+def failing_drafters(observations: list[PodObservation]) -> dict[str, float]:
+    """Drafters whose sidecar calls failed in the window (the sidecars' error counter) and that had not a
+    single draft token accepted on any of the resource's pods: drafter → failed calls."""
+    errors: dict[str, float] = {}
+    for obs in observations:
+        for name, n in obs.drafter_errors.items():
+            if n > 0:
+                errors[name] = errors.get(name, 0.0) + n
+    for obs in observations:
+        for name, buckets in obs.by_drafter.items():
+            if name in errors and any(b.accepted > 0 for b in buckets.values()):
+                del errors[name]
+    return errors
+
+
 def demotions(
     drafters: Mapping[str, DrafterSpec],
     accs: Mapping[str, policy.Acceptance],
@@ -341,14 +438,23 @@ def demotions(
     under_floor_since: Mapping[str, float],
     speculation: SpeculationSpec,
     now: float,
+    failing: Mapping[str, float] | None = None,
 ) -> Demotions:
-    """A drafter whose MAL at its largest K stays under the floor for a cooldown is demoted; a demotion
-    is reconsidered (the drafter tried again) after DEMOTION_TTL_S: traffic changes."""
+    """A drafter whose MAL at its largest K stays under the floor for a cooldown is demoted, and at once
+    one whose sidecar calls failed in the window without a single accepted draft (`failing`, from
+    failing_drafters): it is broken, not unlucky. A demotion is reconsidered (the drafter tried again)
+    after DEMOTION_TTL_S: traffic changes, and a broken drafter may have been fixed."""
     demoted = {name: at for name, at in demoted.items() if now - at < DEMOTION_TTL_S}
     under = dict(under_floor_since)
     notes: list[str] = []
     for name, d in drafters.items():
         acc = accs[name]
+        failed = (failing or {}).get(name, 0.0)
+        if name not in demoted and failed > 0:
+            demoted[name] = now
+            under.pop(name, None)
+            notes.append(f"demoted {name}: {failed:g} failed draft calls and no accepted draft in the window")
+            continue
         if acc.source == "prior" or name in demoted:
             continue
         mal = acc.tokens(d.max_speculative_tokens)
@@ -532,6 +638,8 @@ class Outcome:
     changed: bool
     rollout: str | None = None
     scores: dict[str, float] = field(default_factory=dict)
+    push: bool = True
+    warnings: dict[str, str] = field(default_factory=dict)
 
 
 def decide(
@@ -559,11 +667,19 @@ def decide(
         state.drafter = (view.spec.initial_drafter or view.spec.drafters[0]).name
     waiting = missing_data(view, snapshot)
     if waiting is not None:
-        return _finish(view, state, observations, Outcome(*waiting, changed=False), now)
+        push = waiting.push or state.decided
+        reason = waiting.reason if push else f"{waiting.reason}; the pods keep the policy they run"
+        warnings = {waiting.warning: reason} if waiting.warning else {}
+        outcome = Outcome(waiting.action, reason, False, push=push, warnings=warnings)
+        return _finish(view, state, observations, outcome, now)
+    state.decided = True
 
     accs = measured_acceptance(drafters, observations)
     scores = drafter_scores(view, accs, costs, observations)
-    demoted = demotions(drafters, accs, state.demoted, state.under_floor_since, view.spec.speculation, now)
+    failing = failing_drafters(observations)
+    demoted = demotions(
+        drafters, accs, state.demoted, state.under_floor_since, view.spec.speculation, now, failing
+    )
     state.demoted, state.under_floor_since = demoted.demoted, demoted.under_floor_since
     state.last_score.update(scores)
     notes = list(demoted.notes)
@@ -589,7 +705,12 @@ def decide(
     else:
         reason = "; ".join(notes) or _summary(state, accs[state.drafter])
     action = action_name(old, new, rollout, bool(demoted.notes), every_drafter_demoted)
-    outcome = Outcome(action, reason, policy_changed(old, new, every_drafter_demoted), rollout, scores)
+    warnings = {}
+    if failing:
+        calls = ", ".join(f"{name}: {n:g}" for name, n in sorted(failing.items()))
+        warnings[DRAFTER_ERRORS] = f"failed draft calls and no accepted draft in the window ({calls})"
+    changed = policy_changed(old, new, every_drafter_demoted)
+    outcome = Outcome(action, reason, changed, rollout, scores, warnings=warnings)
     return _finish(view, state, observations, outcome, now)
 
 
@@ -687,6 +808,12 @@ def _finish(
             fleet.add(obs.fallback)
     utils = [o.gpu_util for o in observations if o.gpu_util is not None]
     pod_batch = {o.pod: o.running for o in observations}
+    warnings = dict(outcome.warnings)
+    if not view.gpu_known:
+        warnings[UNKNOWN_GPU] = (
+            f"engine.gpu.product {view.gpu_product!r} is not in the cost model's table: step times start "
+            "from a generic prior until measured (docs/policy.md)"
+        )
     return Decision(
         action=outcome.action,
         reason=outcome.reason,
@@ -706,6 +833,8 @@ def _finish(
         pod_drafter={o.pod: o.drafter for o in observations},
         scores=outcome.scores,
         demoted=tuple(sorted(state.demoted)),
+        push=outcome.push,
+        warnings=warnings,
     )
 
 

@@ -7,7 +7,9 @@ sequence's KV cache once, and does about 2·params FLOPs per token; it takes the
 GPU figures (docs/policy.md, "Step time: a roofline prior, calibrated by measurement"): H200 bandwidth
 and FLOP rate are the ones measured on an H200 (about 4.3 TB/s of the 4.8 TB/s datasheet, about
 790 TFLOP/s dense bf16). H100 shares the H200's compute silicon, so it takes the same FLOP rate, and its
-3.35 TB/s datasheet bandwidth scaled by the same 4.3/4.8 ratio.
+3.35 TB/s datasheet bandwidth scaled by the same 4.3/4.8 ratio. Any other GPU starts from GENERIC_GPU,
+a modest data-centre GPU (docs/policy.md, "GPUs the cost model does not know"): measurements calibrate it
+as they calibrate the others, and the resource says so in a condition.
 No GPU calibration run was possible in this session; see benchmarks/results/controller.json.
 """
 
@@ -33,12 +35,23 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 
-def gpu_spec(product: str | None) -> GpuSpec:
-    """The GPU for a node-label product name such as `NVIDIA-H200` or `NVIDIA-H100-80GB-HBM3`."""
+# About an A100 40GB (1.55 TB/s, 312 TFLOP/s datasheet) at the H200's achieved share of each: slower
+# than either known GPU, so an unknown one is not promised more than it gives before it is measured.
+GENERIC_GPU = GpuSpec("generic", hbm_bytes_per_s=1.4e12, flops_per_s=250e12, step_overhead_s=1.0e-3)
+
+
+def known_gpu(product: str | None) -> GpuSpec | None:
+    """The GPU for a node-label product name such as `NVIDIA-H200` or `NVIDIA-H100-80GB-HBM3`, if the cost
+    model has figures for it."""
     for key, spec in GPUS.items():
         if product and key in product.upper():
             return spec
-    raise ValueError(f"engine.gpu.product: unknown GPU {product!r} (known: {', '.join(sorted(GPUS))})")
+    return None
+
+
+def gpu_spec(product: str | None) -> GpuSpec:
+    """The GPU's figures, GENERIC_GPU's for one the cost model does not know."""
+    return known_gpu(product) or GENERIC_GPU
 
 
 @dataclass(frozen=True)

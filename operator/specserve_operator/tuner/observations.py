@@ -1,10 +1,19 @@
 """What the controller knows about the fleet after one read: counter increases over a window, per pod and
 batch-size bucket. Built from rows of (series kind, labels, value), whether the rows come from PromQL
 vectors (reader.py) or from the simulator's counters, so both feed the policy through the same code.
+
+`build_snapshot` is the one place rows become observations, and it validates them (docs/policy.md,
+"Inputs the controller rejects"): a row that is not finite, negative, beyond any engine's reach, or without
+the labels its kind needs is dropped; after folding, a bucket whose speculative counters contradict each
+other (more accepted than drafted tokens, ...) loses those counters, and a side of a bucket whose steps
+took no time, or implausibly long, or whose time was counted without steps, loses its step counters.
+What was dropped is counted by reason.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -23,7 +32,38 @@ GPU_UTIL = "gpu_util"
 VLLM_DRAFTS = "vllm_drafts"
 VLLM_DRAFT_TOKENS = "vllm_draft_tokens"
 VLLM_ACCEPTED = "vllm_accepted"
+DRAFTER_ERRORS = "drafter_errors"
 ALL_BUCKETS = "*"  # the bucket of counters summed over buckets
+
+# Why a row, or a bucket's folded counters, was dropped: the `reason` label of the operator's
+# dropped-rows counter (metric_names.OPERATOR_DROPPED_ROWS).
+DROP_LABELS = "missing_labels"  # no namespace or pod, or not what its kind needs (bucket, position)
+DROP_KIND = "unknown_kind"
+DROP_NON_FINITE = "non_finite"
+DROP_NEGATIVE = "negative"
+DROP_IMPLAUSIBLE = "implausible"  # beyond what any engine counts in a window, or a GPU above 100 %
+DROP_INCONSISTENT = "inconsistent"
+DROP_ZERO_DURATION = "zero_duration"
+DROP_REASONS = (
+    DROP_LABELS,
+    DROP_KIND,
+    DROP_NON_FINITE,
+    DROP_NEGATIVE,
+    DROP_IMPLAUSIBLE,
+    DROP_INCONSISTENT,
+    DROP_ZERO_DURATION,
+)
+# No counter of one pod grows this much in a metrics window (a million steps a second for a day is
+# 1e11); anything above is corruption, and bounding values keeps every ratio the policy takes finite.
+MAX_VALUE = 1e12
+# A decode step of any engine takes longer than a microsecond and less than an hour: a mean step time
+# outside is a broken counter (and one near zero makes every step-time ratio divide by zero).
+MIN_STEP_S = 1e-6
+MAX_STEP_S = 3600.0
+# The CRD's largest maxSpeculativeTokens (api/models.py): no draft is longer, no position higher.
+MAX_SPECULATIVE_TOKENS = 16
+MAX_POLICY_VERSION = 2**63 - 1  # the API server's int64
+_DECIMAL = re.compile(r"[0-9]{1,19}")
 
 
 @dataclass
@@ -76,6 +116,7 @@ class PodObservation:
     fallback: BucketStats | None = None  # vLLM's own spec counters, no buckets (a stock image)
     # Spec counters split by the drafter that made the drafts (a canary pod may have run two).
     by_drafter: dict[str, dict[str, BucketStats]] = field(default_factory=dict)
+    drafter_errors: dict[str, float] = field(default_factory=dict)  # drafter → failed draft calls
 
     def bucket(self, label: str) -> BucketStats:
         return self.buckets.setdefault(label, BucketStats())
@@ -104,6 +145,10 @@ class FleetSnapshot:
 
     pods: dict[tuple[str, str], PodObservation] = field(default_factory=dict)
     window_s: float = 300.0
+    dropped: dict[str, int] = field(default_factory=dict)  # reason (DROP_*) → rows or buckets dropped
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def pod(self, namespace: str, name: str) -> PodObservation:
         key = (namespace, name)
@@ -114,59 +159,159 @@ class FleetSnapshot:
 
 Row = tuple[str, dict[str, str], float]
 
+_ENGINE_KINDS = {STEPS: "steps", STEP_SECONDS: "seconds", TOKENS: "tokens"}
+_SPEC_KINDS = (DRAFTS, DRAFT_TOKENS, ACCEPTED)
+_POSITION_KINDS = (ACCEPTED_POS, PROPOSED_POS)
+_FALLBACK_KINDS = {VLLM_DRAFTS: "drafts", VLLM_DRAFT_TOKENS: "draft_tokens", VLLM_ACCEPTED: "accepted"}
+_KINDS = frozenset(
+    {
+        *_ENGINE_KINDS,
+        *_SPEC_KINDS,
+        *_POSITION_KINDS,
+        *_FALLBACK_KINDS,
+        POLICY_INFO,
+        RUNNING,
+        GPU_UTIL,
+        DRAFTER_ERRORS,
+    }
+)
+
 
 def build_snapshot(rows: Iterable[Row], window_s: float) -> FleetSnapshot:
-    """Fold rows into a snapshot; rows whose labels lack what their kind needs are skipped."""
+    """Fold valid rows into a snapshot, then drop the folded counters that contradict each other; every
+    row or bucket left out is counted in `snapshot.dropped` by reason."""
     snap = FleetSnapshot(window_s=window_s)
     pods = snap.pods
     for kind, labels, value in rows:
-        ns, pod = labels.get("namespace"), labels.get("pod")
-        if not ns or not pod or value != value:  # NaN from a 0/0 in PromQL
+        reason = _row_problem(kind, labels, value)
+        if reason is not None:
+            snap.drop(reason)
             continue
-        obs = pods.get((ns, pod))
+        key = (labels["namespace"], labels["pod"])
+        obs = pods.get(key)
         if obs is None:
-            obs = pods[(ns, pod)] = PodObservation(ns, pod)
+            obs = pods[key] = PodObservation(*key)
         _fold(obs, kind, labels, value)
-    for obs in snap.pods.values():
+    for obs in pods.values():
+        _check(obs, snap)
         if obs.drafter is None and len(obs.by_drafter) == 1:
             obs.drafter = next(iter(obs.by_drafter))
     return snap
 
 
+def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
+    """Why one row cannot be used on its own, or None."""
+    if kind not in _KINDS:
+        return DROP_KIND
+    if not labels.get("namespace") or not labels.get("pod"):
+        return DROP_LABELS
+    if (kind in _ENGINE_KINDS or kind in _SPEC_KINDS) and not labels.get("bucket"):
+        return DROP_LABELS
+    if kind in _POSITION_KINDS:
+        position = labels.get("position", "")
+        if not _DECIMAL.fullmatch(position):
+            return DROP_LABELS
+        if int(position) >= MAX_SPECULATIVE_TOKENS:
+            return DROP_IMPLAUSIBLE
+    if not math.isfinite(value):  # NaN from a 0/0 in PromQL, ±Inf from a broken exporter
+        return DROP_NON_FINITE
+    if value < 0:  # a counter's increase never is; a reset is already handled by increase()
+        return DROP_NEGATIVE
+    if value > MAX_VALUE or (kind == GPU_UTIL and value > 100.0):
+        return DROP_IMPLAUSIBLE
+    return None
+
+
 def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) -> None:
-    bucket = labels.get("bucket")
-    if kind in (STEPS, STEP_SECONDS, TOKENS) and bucket:
+    bucket = labels.get("bucket", "")
+    if kind in _ENGINE_KINDS:
         b = obs.bucket(bucket)
-        spec = labels.get("speculating") == "true"
-        attr = {STEPS: "steps", STEP_SECONDS: "seconds", TOKENS: "tokens"}[kind]
-        attr += "_spec" if spec else "_plain"
+        attr = _ENGINE_KINDS[kind] + ("_spec" if labels.get("speculating") == "true" else "_plain")
         setattr(b, attr, getattr(b, attr) + value)
-    elif kind in (DRAFTS, DRAFT_TOKENS, ACCEPTED) and bucket:
-        drafter = labels.get("drafter", "")
-        for b in (
-            obs.bucket(bucket),
-            obs.by_drafter.setdefault(drafter, {}).setdefault(bucket, BucketStats()),
-        ):
-            setattr(b, kind, getattr(b, kind) + value)
-    elif kind in (ACCEPTED_POS, PROPOSED_POS) and labels.get("position", "").isdigit():
+    elif kind in _SPEC_KINDS:
+        # Folded per drafter only; the bucket's totals are summed from the drafters that pass _check.
+        obs.bucket(bucket)
+        b = obs.by_drafter.setdefault(labels.get("drafter", ""), {}).setdefault(bucket, BucketStats())
+        setattr(b, kind, getattr(b, kind) + value)
+    elif kind in _POSITION_KINDS:
         # Per-position counters may come pooled over buckets (the reader's query pools them).
         drafter = labels.get("drafter", "")
         b = obs.by_drafter.setdefault(drafter, {}).setdefault(bucket or ALL_BUCKETS, BucketStats())
         target = b.accepted_pos if kind == ACCEPTED_POS else b.proposed_pos
         pos = int(labels["position"])
         target[pos] = target.get(pos, 0.0) + value
-    elif kind == POLICY_INFO and value > 0:
-        obs.drafter = labels.get("drafter") or obs.drafter
-        obs.mode = labels.get("mode") or obs.mode
-        version = labels.get("policy_version", "")
-        obs.policy_version = int(version) if version.isdigit() else obs.policy_version
+    elif kind == POLICY_INFO:
+        if value > 0:
+            obs.drafter = labels.get("drafter") or obs.drafter
+            obs.mode = labels.get("mode") or obs.mode
+            version = labels.get("policy_version", "")
+            if _DECIMAL.fullmatch(version) and int(version) <= MAX_POLICY_VERSION:
+                obs.policy_version = int(version)
     elif kind == RUNNING:
         obs.running = (obs.running or 0.0) + value
     elif kind == GPU_UTIL:
-        # DCGM reports percent per GPU; a pod with several GPUs gets their mean.
+        # DCGM reports percent per GPU; the reader's query averages a pod's GPUs.
         obs.gpu_util = value / 100.0
-    elif kind in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED):
+    elif kind in _FALLBACK_KINDS:
         fb = obs.fallback or BucketStats()
-        attr = {VLLM_DRAFTS: "drafts", VLLM_DRAFT_TOKENS: "draft_tokens", VLLM_ACCEPTED: "accepted"}[kind]
+        attr = _FALLBACK_KINDS[kind]
         setattr(fb, attr, getattr(fb, attr) + value)
         obs.fallback = fb
+    elif kind == DRAFTER_ERRORS:
+        drafter = labels.get("drafter", "")
+        obs.drafter_errors[drafter] = obs.drafter_errors.get(drafter, 0.0) + value
+
+
+def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
+    """Validate what was folded for one pod, in place: rows that are each plausible can still contradict
+    each other, and only once folded is a bucket's whole story known."""
+    for b in obs.buckets.values():
+        for side in ("plain", "spec"):
+            steps, seconds = getattr(b, f"steps_{side}"), getattr(b, f"seconds_{side}")
+            if steps == seconds == 0:
+                continue
+            # Steps that took no time (or next to none) would be infinitely fast and divide by zero
+            # downstream; time without steps is a step-seconds series without its step counter.
+            if steps == 0:
+                reason: str | None = DROP_INCONSISTENT
+            elif seconds < steps * MIN_STEP_S:
+                reason = DROP_ZERO_DURATION
+            elif seconds > steps * MAX_STEP_S:
+                reason = DROP_IMPLAUSIBLE
+            else:
+                reason = None
+            if reason is not None:
+                snap.drop(reason)
+                for attr in ("steps", "seconds", "tokens"):
+                    setattr(b, f"{attr}_{side}", 0.0)
+    for buckets in obs.by_drafter.values():
+        for label, b in buckets.items():
+            if _spec_contradiction(b):
+                snap.drop(DROP_INCONSISTENT)
+                b.drafts = b.draft_tokens = b.accepted = 0.0
+            if _positions_contradiction(b):
+                snap.drop(DROP_INCONSISTENT)
+                b.accepted_pos, b.proposed_pos = {}, {}
+            if label in obs.buckets:
+                total = obs.buckets[label]
+                total.drafts += b.drafts
+                total.draft_tokens += b.draft_tokens
+                total.accepted += b.accepted
+    if obs.fallback is not None and _spec_contradiction(obs.fallback):
+        snap.drop(DROP_INCONSISTENT)
+        obs.fallback = None
+
+
+def _spec_contradiction(b: BucketStats) -> bool:
+    """Drafts, draft tokens and accepted tokens that cannot all be true: every draft has 1 to
+    MAX_SPECULATIVE_TOKENS tokens, and no more tokens are accepted than were drafted."""
+    if b.drafts == 0:
+        return b.draft_tokens > 0 or b.accepted > 0
+    return not (
+        b.drafts <= b.draft_tokens <= b.drafts * MAX_SPECULATIVE_TOKENS and b.accepted <= b.draft_tokens
+    )
+
+
+def _positions_contradiction(b: BucketStats) -> bool:
+    """A position with more accepted than proposed tokens, or accepted tokens at a position never proposed."""
+    return any(v > b.proposed_pos.get(pos, 0.0) for pos, v in b.accepted_pos.items())

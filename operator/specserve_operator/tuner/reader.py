@@ -8,18 +8,24 @@ specserve_engine.metric_names, the single source shared with the plugin, the das
 
 from __future__ import annotations
 
-import gc
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from prometheus_client import Counter
 from urllib3.util.retry import Retry
 
 from specserve_engine import metric_names
 from specserve_operator.tuner import observations
 
 POD = "namespace, pod"
+DROPPED_ROWS = Counter(
+    metric_names.OPERATOR_DROPPED_ROWS.name,
+    metric_names.OPERATOR_DROPPED_ROWS.help,
+    list(metric_names.OPERATOR_DROPPED_ROWS.labels),
+)
 
 
 def _window(window_s: float) -> str:
@@ -47,9 +53,10 @@ def engine_query(window_s: float) -> str:
 
 def spec_query(window_s: float) -> str:
     """Drafts, draft tokens and accepted tokens per pod, bucket and drafter; accepted and proposed per
-    position per pod and drafter (pooled over buckets: acceptance is a property of traffic, not load)."""
+    position per pod and drafter (pooled over buckets: acceptance is a property of traffic, not load);
+    failed draft calls per pod and drafter (the sidecar's count of drafter errors)."""
     w = _window(window_s)
-    by, by_pos = f"{POD}, bucket, drafter", f"{POD}, drafter, position"
+    by, by_pos, by_drafter = f"{POD}, bucket, drafter", f"{POD}, drafter, position", f"{POD}, drafter"
     parts = [
         _tagged(observations.DRAFTS, _increase(metric_names.SPEC_DRAFTS.series[0], by, w)),
         _tagged(observations.DRAFT_TOKENS, _increase(metric_names.SPEC_DRAFT_TOKENS.series[0], by, w)),
@@ -61,6 +68,10 @@ def spec_query(window_s: float) -> str:
         _tagged(
             observations.PROPOSED_POS,
             _increase(metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], by_pos, w),
+        ),
+        _tagged(
+            observations.DRAFTER_ERRORS,
+            _increase(metric_names.SIDECAR_DRAFTER_ERRORS.series[0], by_drafter, w),
         ),
     ]
     return " or ".join(parts)
@@ -103,24 +114,26 @@ class MetricsUnavailable(Exception):
         self.reason = reason
 
 
-def parse_vector(result: object) -> list[observations.Row]:
-    """Rows from an instant-vector result; anything else raises MetricsUnavailable."""
+def parse_vector(result: object) -> Iterator[observations.Row]:
+    """Rows from an instant-vector result, one at a time; anything else raises MetricsUnavailable.
+
+    A large fleet's answer is hundreds of thousands of samples: each row is folded as it is made and the
+    decoded labels are used in place, so that no second copy of the answer lives on for the garbage
+    collector to walk again."""
     if not isinstance(result, list):
         raise MetricsUnavailable("PrometheusGarbage", f"expected a vector, got {type(result).__name__}")
-    rows: list[observations.Row] = []
     for item in result:
         try:
-            labels = dict(item["metric"])
+            labels = item["metric"]
             value = float(item["value"][1])
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            kind = labels.pop("m", None)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise MetricsUnavailable(
                 "PrometheusGarbage", f"malformed sample {str(item)[:200]}: {exc!r}"
             ) from None
-        kind = labels.pop("m", None)
         if kind is None:
             raise MetricsUnavailable("PrometheusGarbage", f"sample without a kind: {str(item)[:200]}")
-        rows.append((kind, labels, value))
-    return rows
+        yield kind, labels, value
 
 
 @dataclass
@@ -146,7 +159,7 @@ class PrometheusReader:
             )
         return self._client
 
-    def query(self, promql: str) -> list[observations.Row]:
+    def query(self, promql: str) -> Iterator[observations.Row]:
         self.queries += 1
         try:
             result = self._connect().custom_query(promql)
@@ -168,15 +181,12 @@ class PrometheusReader:
 
     def read(self) -> observations.FleetSnapshot:
         """One snapshot of the whole fleet behind this Prometheus."""
-        # Hundreds of thousands of small dicts: the cyclic collector would rescan them many times over.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            rows: list[observations.Row] = []
-            for promql in fleet_queries(self.window_s):
-                rows.extend(self.query(promql))
-            snapshot = observations.build_snapshot(rows, self.window_s)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+        snapshot = observations.build_snapshot(self._rows(), self.window_s)
+        for reason, n in snapshot.dropped.items():
+            DROPPED_ROWS.labels(reason).inc(n)
         return snapshot
+
+    def _rows(self) -> Iterator[observations.Row]:
+        # One answer at a time, folded as it is parsed (see parse_vector).
+        for promql in fleet_queries(self.window_s):
+            yield from self.query(promql)

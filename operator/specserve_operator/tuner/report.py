@@ -1,11 +1,13 @@
 """The status a tick writes (pure): activeDrafter, kByBucket, cliffBatchSize, fleet and per-pod MAL,
-lastDecision, recommendation, and the conditions MetricsAvailable, SpeculationHealthy and PoliciesApplied.
+lastDecision, recommendation, and the conditions MetricsAvailable, SpeculationHealthy, PoliciesApplied and
+GpuKnown.
 
 In advise mode what is in force (activeDrafter, kByBucket, policyVersion) stays as it was: the decision
 goes to `recommendation` only, and PoliciesApplied says why nothing was pushed."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -17,10 +19,13 @@ from specserve_operator.tuner.loop import ResourceTick
 METRICS_AVAILABLE = "MetricsAvailable"
 SPECULATION_HEALTHY = "SpeculationHealthy"
 POLICIES_APPLIED = "PoliciesApplied"
+GPU_KNOWN = "GpuKnown"
 
 
 def _round(x: float | None, digits: int = 3) -> float | None:
-    return None if x is None else round(x, digits)
+    # Observations are validated (observations.build_snapshot); a non-finite number would still make the
+    # whole patch invalid JSON for the API server, so none is ever written.
+    return None if x is None or not math.isfinite(x) else round(x, digits)
 
 
 def status_patch(
@@ -38,13 +43,20 @@ def status_patch(
     assert d is not None
     conditions = []
     if d.action == "noData":
-        conditions.append(resource_status.condition(METRICS_AVAILABLE, False, "PartialData", d.reason))
+        reason = core.METRICS_MISSING if core.METRICS_MISSING in d.warnings else core.PARTIAL_DATA
+        conditions.append(resource_status.condition(METRICS_AVAILABLE, False, reason, d.reason[:1000]))
     else:
         conditions.append(
             resource_status.condition(METRICS_AVAILABLE, True, "Read", f"{len(view.pods)} pods")
         )
     floor = view.spec.speculation.mal_floor
-    if d.mean_accepted_length is None:
+    if core.DRAFTER_ERRORS in d.warnings:
+        conditions.append(
+            resource_status.condition(
+                SPECULATION_HEALTHY, False, core.DRAFTER_ERRORS, d.warnings[core.DRAFTER_ERRORS][:1000]
+            )
+        )
+    elif d.mean_accepted_length is None:
         conditions.append(
             resource_status.condition(SPECULATION_HEALTHY, "Unknown", "NoDrafts", "no drafts in the window")
         )
@@ -81,6 +93,13 @@ def status_patch(
         conditions.append(
             resource_status.condition(POLICIES_APPLIED, True, "Applied", f"policy version {d.policy_version}")
         )
+    # GpuKnown appears with an unknown GPU, and stays (True) once the spec names a known one.
+    if core.UNKNOWN_GPU in d.warnings:
+        conditions.append(
+            resource_status.condition(GPU_KNOWN, False, core.UNKNOWN_GPU, d.warnings[core.UNKNOWN_GPU][:1000])
+        )
+    elif any(c.get("type") == GPU_KNOWN for c in old.get("conditions") or ()):
+        conditions.append(resource_status.condition(GPU_KNOWN, True, "InCostModel", view.gpu_product))
     bounds = view.spec.speculation.batch_buckets
     pods = []
     for name in view.pods:
@@ -104,7 +123,7 @@ def status_patch(
             }
         )
     fleet = {
-        "mal": d.fleet_mal,
+        "mal": {label: mal for label, mal in d.fleet_mal.items() if math.isfinite(mal)},
         "meanAcceptedLength": _round(d.mean_accepted_length),
         "acceptanceRate": _round(d.acceptance_rate),
         "gpuUtilization": _round(d.gpu_utilization),

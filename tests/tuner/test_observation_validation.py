@@ -1,0 +1,202 @@
+"""The observation builder rejects what parses but is wrong (docs/policy.md, "Inputs the controller
+rejects"): non-finite, negative, implausible and inconsistent values, and steps that took no time. What it
+drops it counts by reason, and nothing it lets through can make a decision raise or a status invalid."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from specserve_operator.api.models import SpeculativeServingStatus
+from specserve_operator.tuner import core, observations
+from specserve_operator.tuner.loop import ResourceTick
+from specserve_operator.tuner.observations import build_snapshot
+from specserve_operator.tuner.report import status_patch
+
+NS = "ml"
+PODS = ("pod-a", "pod-b")
+
+
+def view_of(spec) -> core.ResourceView:
+    return core.ResourceView(NS, "llm", spec, PODS)
+
+
+def loads_of(bucket_load, prior) -> dict:
+    """Bucket 4 speculating with K=3, bucket 64 plain, both at the prior's step times."""
+    return {
+        "4": bucket_load(batch=3, steps_spec=2000, step_s_spec=prior.step_s(3, 3), k=3),
+        "64": bucket_load(batch=50, steps_plain=2000, step_s_plain=prior.step_s(50, 0)),
+    }
+
+
+def fleet_rows(rows_for, loads, alphas=(0.1,) * 8) -> list[observations.Row]:
+    return [r for pod in PODS for r in rows_for(NS, pod, "draft", loads, alphas=alphas)]
+
+
+def replaced(rows: list[observations.Row], kind: str, pod: str, bucket: str | None, value: float) -> list:
+    """The rows with one pod's `kind` row (in `bucket`, if given) set to `value`."""
+    out = []
+    for k, labels, v in rows:
+        if k == kind and labels["pod"] == pod and (bucket is None or labels.get("bucket") == bucket):
+            v = value
+        out.append((k, labels, v))
+    return out
+
+
+def decide_and_report(spec, rows) -> tuple[core.Decision, dict]:
+    """A decision from these rows, and the status patch it writes; the patch must be valid JSON and
+    valid against the CRD's status schema."""
+    view = view_of(spec)
+    snap = build_snapshot(rows, 300.0)
+    d = core.decide(view, snap, core.ResourceState.initial(spec), core.FleetCosts([view], snap), 0.0)
+    patch = status_patch(ResourceTick(d), view, {}, datetime.now(UTC))
+    SpeculativeServingStatus.model_validate(json.loads(json.dumps(patch, allow_nan=False)))
+    return d, patch
+
+
+def test_infinite_accepted_tokens_are_dropped_and_never_reach_status(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    loads = loads_of(bucket_load, view_of(spec).prior(spec.drafters[0]))
+    rows = fleet_rows(rows_for, loads)
+    poisoned = replaced(rows, observations.ACCEPTED, "pod-a", "4", float("inf"))
+    d, patch = decide_and_report(spec, poisoned)
+    # Acceptance 0.1 does not pay at K>0: the +Inf row must not turn bucket 4 on.
+    assert d.k_by_bucket["4"] == decide_and_report(spec, rows)[0].k_by_bucket["4"] == 0
+    assert 0.0 <= patch["fleet"]["acceptanceRate"] <= 1.0
+    snap = build_snapshot(poisoned, 300.0)
+    assert snap.dropped == {observations.DROP_NON_FINITE: 1}
+    assert snap.pods[(NS, "pod-a")].by_drafter["draft"]["4"].accepted == 0.0  # the row is gone
+
+
+def test_negative_counter_increases_are_dropped(spec_factory, rows_for, bucket_load) -> None:
+    spec = spec_factory()
+    loads = loads_of(bucket_load, view_of(spec).prior(spec.drafters[0]))
+    rows = fleet_rows(rows_for, loads)
+    negative = replaced(rows, observations.STEP_SECONDS, "pod-a", "64", -5.0)
+    snap = build_snapshot(negative, 300.0)
+    assert snap.dropped[observations.DROP_NEGATIVE] == 1
+    # Dropping the seconds leaves steps without time: that side of the bucket goes too.
+    assert snap.dropped[observations.DROP_ZERO_DURATION] == 1
+    assert snap.pods[(NS, "pod-a")].buckets["64"].steps_plain == 0.0
+    decide_and_report(spec, negative)
+
+
+def test_more_accepted_than_drafted_drops_that_buckets_spec_counters_only(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Accepted and drafted tokens arrive in different rows: only folded can they be compared."""
+    spec = spec_factory()
+    prior = view_of(spec).prior(spec.drafters[0])
+    loads = loads_of(bucket_load, prior)
+    loads["16"] = bucket_load(batch=12, steps_spec=1000, step_s_spec=prior.step_s(12, 3), k=3)
+    rows = fleet_rows(rows_for, loads)
+    drafted = next(
+        v
+        for k, lab, v in rows
+        if k == observations.DRAFT_TOKENS and lab["pod"] == "pod-a" and lab["bucket"] == "4"
+    )
+    rows = replaced(rows, observations.ACCEPTED, "pod-a", "4", 2 * drafted)
+    snap = build_snapshot(rows, 300.0)
+    assert snap.dropped == {observations.DROP_INCONSISTENT: 1}
+    a = snap.pods[(NS, "pod-a")]
+    assert (a.buckets["4"].drafts, a.buckets["4"].accepted) == (0.0, 0.0)
+    assert a.buckets["4"].steps_spec == 2000  # the step counters of the bucket stay
+    assert a.buckets["16"].drafts > 0 and a.buckets["16"].accepted <= a.buckets["16"].draft_tokens
+    _, patch = decide_and_report(spec, rows)
+    assert patch["fleet"]["acceptanceRate"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("drafts", "draft_tokens", "accepted"),
+    [(100.0, 50.0, 10.0), (0.0, 40.0, 0.0), (10.0, 10.0 * 17, 5.0)],
+    ids=["fewer-tokens-than-drafts", "tokens-without-drafts", "drafts-longer-than-any-k"],
+)
+def test_contradicting_draft_counters_are_dropped(drafts, draft_tokens, accepted) -> None:
+    lab = {"namespace": NS, "pod": "p", "bucket": "4", "drafter": "d"}
+    rows = [
+        (observations.DRAFTS, lab, drafts),
+        (observations.DRAFT_TOKENS, lab, draft_tokens),
+        (observations.ACCEPTED, lab, accepted),
+    ]
+    snap = build_snapshot(rows, 300.0)
+    assert snap.dropped == {observations.DROP_INCONSISTENT: 1}
+    assert snap.pods[(NS, "p")].buckets["4"].drafts == 0.0
+
+
+def test_more_accepted_than_proposed_at_a_position_drops_the_positions() -> None:
+    base = {"namespace": NS, "pod": "p", "drafter": "d"}
+    rows = [
+        (observations.ACCEPTED_POS, {**base, "position": "0"}, 80.0),
+        (observations.PROPOSED_POS, {**base, "position": "0"}, 100.0),
+        (observations.ACCEPTED_POS, {**base, "position": "1"}, 120.0),
+        (observations.PROPOSED_POS, {**base, "position": "1"}, 100.0),
+    ]
+    snap = build_snapshot(rows, 300.0)
+    assert snap.dropped == {observations.DROP_INCONSISTENT: 1}
+    pooled = snap.pods[(NS, "p")].by_drafter["d"][observations.ALL_BUCKETS]
+    assert pooled.accepted_pos == {} and pooled.proposed_pos == {}
+
+
+def test_zero_step_seconds_are_dropped_instead_of_dividing_by_zero(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Steps counted with no time: today a ZeroDivisionError on every tick."""
+    spec = spec_factory()
+    prior = view_of(spec).prior(spec.drafters[0])
+    loads = {
+        label: bucket_load(
+            batch=batch, steps_spec=2000, step_s_spec=0.0, steps_plain=2000, step_s_plain=0.0, k=3
+        )
+        for label, batch in (("4", 3), ("16", 12))
+    }
+    loads["64"] = bucket_load(batch=50, steps_plain=2000, step_s_plain=prior.step_s(50, 0))
+    rows = fleet_rows(rows_for, loads, alphas=(0.8,) * 8)
+    d, _ = decide_and_report(spec, rows)
+    assert d.action != "noData"
+    snap = build_snapshot(rows, 300.0)
+    assert snap.dropped == {observations.DROP_ZERO_DURATION: 8}  # 2 pods x 2 buckets x plain and spec
+    assert snap.pods[(NS, "pod-a")].buckets["4"].steps_spec == 0.0
+    assert snap.pods[(NS, "pod-a")].buckets["64"].steps_plain == 2000
+
+
+@pytest.mark.parametrize(
+    ("kind", "labels", "value", "reason"),
+    [
+        (
+            observations.STEPS,
+            {"bucket": "4", "speculating": "false"},
+            float("nan"),
+            observations.DROP_NON_FINITE,
+        ),
+        (observations.STEPS, {"bucket": "4", "speculating": "false"}, -1.0, observations.DROP_NEGATIVE),
+        (observations.STEPS, {"speculating": "false"}, 1.0, observations.DROP_LABELS),
+        (observations.TOKENS, {"bucket": "4"}, 1e300, observations.DROP_IMPLAUSIBLE),
+        (observations.GPU_UTIL, {}, 250.0, observations.DROP_IMPLAUSIBLE),
+        (observations.ACCEPTED_POS, {"drafter": "d", "position": "²"}, 1.0, observations.DROP_LABELS),
+        (observations.ACCEPTED_POS, {"drafter": "d", "position": "99"}, 1.0, observations.DROP_IMPLAUSIBLE),
+        ("something_else", {}, 1.0, observations.DROP_KIND),
+    ],
+)
+def test_each_rejected_row_is_counted_by_reason(kind, labels, value, reason) -> None:
+    snap = build_snapshot([(kind, {"namespace": NS, "pod": "p", **labels}, value)], 300.0)
+    assert snap.dropped == {reason: 1}
+    assert not any(obs.has_engine_data for obs in snap.pods.values())
+
+
+def test_a_policy_version_that_is_not_a_small_decimal_is_ignored() -> None:
+    """`"²".isdigit()` is true and `int("²")` raises: the label must not crash the read."""
+    info = {"namespace": NS, "pod": "p", "drafter": "d", "mode": "on"}
+    for version in ("²", "9" * 30, "-1", "3"):
+        snap = build_snapshot([(observations.POLICY_INFO, {**info, "policy_version": version}, 1.0)], 300.0)
+        assert snap.pods[(NS, "p")].policy_version == (3 if version == "3" else None)
+
+
+def test_the_largest_speculative_k_is_the_crds() -> None:
+    from specserve_operator.api.models import DrafterSpec
+
+    bounds = [m.le for m in DrafterSpec.model_fields["max_speculative_tokens"].metadata if hasattr(m, "le")]
+    assert bounds == [observations.MAX_SPECULATIVE_TOKENS]
