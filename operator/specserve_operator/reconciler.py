@@ -103,6 +103,15 @@ async def kubernetes_reachable(memo: kopf.Memo, **_: Any) -> bool:
     return True
 
 
+def control_secret(body: kopf.Body) -> dict[str, Any]:
+    """The resource's control-token Secret with a new token, owned by the resource (created only where
+    none exists: by the reconcile, and by the tuner when it finds the Secret gone)."""
+    meta = body.metadata
+    secret = render.build_secret(meta.name, meta.namespace, render.new_control_token())
+    kopf.append_owner_reference(secret, owner=body)
+    return secret
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
@@ -153,16 +162,13 @@ async def reconcile(
             name, namespace, running, options=options, service_monitor_available=monitor_api
         )
         kopf.append_owner_reference(children, owner=body)
-        secrets = []
-        if render.has_sidecar(running):
-            secrets = [render.build_secret(name, namespace, render.new_control_token())]
-            kopf.append_owner_reference(secrets, owner=body)
+        secrets = [control_secret(body)] if render.has_sidecar(running) else []
         # All or nothing: a pod whose Secret or ConfigMap is someone else's must not start.
         conflicts = await kube.ownership_conflicts(secrets + children)
         applied = {}
         if not conflicts:
             for secret in secrets:
-                await kube.create_if_absent(secret)  # the token is made once and never rotated
+                await kube.create_if_absent(secret)  # an existing token stays (rotation: docs/runbook.md)
             for child in children:
                 applied[child["kind"]] = await kube.apply(child)
             if monitor_api and not any(c["kind"] == "ServiceMonitor" for c in children):

@@ -1,14 +1,22 @@
-"""Fixtures for the controller tests: synthetic fleet measurements and specs."""
+"""Fixtures for the controller tests: synthetic fleet measurements, specs, and real sidecars."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
 
 from specserve_engine import metric_names
+from specserve_engine.api import SidecarConfig
+from specserve_engine.control_api import build_app
+from specserve_engine.sidecar_service import SidecarService
 from specserve_operator.api.models import SpeculativeServingSpec
+from specserve_operator.render import children as render
 from specserve_operator.tuner import observations
 
 
@@ -198,75 +206,109 @@ def bucket_load() -> type[BucketLoad]:
     return BucketLoad
 
 
-class SidecarStandIn:
-    """A real HTTP server speaking the sidecar control API (GET /v1/state, PUT /v1/policy) with the
-    sidecar's version rules: a bearer token, 409 for an older policyVersion, the same one a no-op."""
+def ngram_sidecar_config(
+    spec: SpeculativeServingSpec, runtime_dir: Path, host: str = "127.0.0.1", port: int = 0
+) -> SidecarConfig:
+    """The sidecar configuration the operator renders for `spec`, with each drafter the sidecar would
+    host made an n-gram drafter of the same name and maximum K: the real control API and policy rules,
+    without model weights to load (colocated drafters stay: the sidecar only names them)."""
+    config = render.build_sidecar_config(spec)
+    drafters = [
+        d if d.placement == "colocated" else d.model_copy(update={"method": "ngram", "source": None})
+        for d in config.drafters
+    ]
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    return config.model_copy(
+        update={
+            "drafters": drafters,
+            "model_path": str(runtime_dir),  # no checkpoint: only sizes the warm-up prompts
+            "runtime_dir": str(runtime_dir),
+            "token_file": None,
+            "host": host,
+            "port": port,
+            "warmup_requests": 0,
+        }
+    )
 
-    def __init__(self, token: str | None = "secret-token") -> None:
+
+class Sidecar:
+    """The real sidecar control API (SidecarService behind control_api.build_app) served over real HTTP
+    in this process. `puts` records the state after each policy the API accepted; `policy` is the
+    policy in force as GET /v1/state reports it; `restart` brings it back as a restarted container would:
+    at its start-up policy (version 0), on the same address."""
+
+    def __init__(self, config: SidecarConfig, token: str | None) -> None:
+        self.config = config
         self.token = token
-        self.policy = {"policyVersion": 0, "drafter": "draft", "mode": "on", "kByBucket": {}}
+        self.service: SidecarService | None = None
+        self.runner: web.AppRunner | None = None
         self.puts: list[dict] = []
-        self.runner = None
         self.url = ""
 
-    def _state(self) -> dict:
-        return {
-            **self.policy,
-            "drafters": [],
-            "warm": True,
-            "engineReachable": True,
-        }
+    async def start(self) -> Sidecar:
+        self.service = SidecarService(self.config)
+        await self.service.start()
+        app = build_app(self.service, self.token)
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> SidecarStandIn:
-        from aiohttp import web
+        @web.middleware
+        async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+            response = await handler(request)
+            if request.method == "PUT" and response.status < 300:
+                self.puts.append(json.loads(response.body))
+            return response
 
-        async def state(request: web.Request) -> web.Response:
-            return self._check(request) or web.json_response(self._state())
-
-        async def put(request: web.Request) -> web.Response:
-            refused = self._check(request)
-            if refused is not None:
-                return refused
-            body = await request.json()
-            if body["policyVersion"] < self.policy["policyVersion"]:
-                return web.json_response(
-                    {"error": "older policyVersion", "field": "policyVersion"}, status=409
-                )
-            self.puts.append(body)
-            self.policy = body
-            return web.json_response(self._state())
-
-        app = web.Application()
-        app.router.add_get("/v1/state", state)
-        app.router.add_put("/v1/policy", put)
-        self.runner = web.AppRunner(app)
+        app.middlewares.append(record)
+        self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.TCPSite(self.runner, self.config.host, self.config.port)
         await site.start()
-        bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
-        self.url = f"http://{bound[0]}:{bound[1]}"
+        host, port = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+        self.config = self.config.model_copy(update={"port": port})
+        self.url = f"http://{host}:{port}"
         return self
 
-    def _check(self, request):
-        from aiohttp import web
+    @property
+    def policy(self) -> dict:
+        assert self.service is not None
+        state = self.service.state().model_dump(by_alias=True)
+        return {k: state[k] for k in ("policyVersion", "drafter", "mode", "kByBucket")}
 
-        if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
-            return web.json_response({"error": "unauthorized"}, status=401)
-        return None
+    def policy_info(self) -> tuple[str, str, int]:
+        """(drafter, mode, policy version) as the sidecar's policy-info metric shows them."""
+        assert self.service is not None
+        for family in self.service.metrics.registry.collect():
+            if family.name == metric_names.SIDECAR_POLICY_INFO.name:
+                (sample,) = [s for s in family.samples if s.value == 1]
+                labels = sample.labels
+                return labels["drafter"], labels["mode"], int(labels["policy_version"])
+        raise AssertionError("no policy-info metric")
 
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+            self.runner = None
+
+    async def restart(self, token: str | None = None) -> Sidecar:
+        await self.stop()
+        if token is not None:
+            self.token = token
+        return await self.start()
 
 
 @pytest.fixture
-async def sidecars():
-    started: list[SidecarStandIn] = []
+async def sidecars(tmp_path_factory: pytest.TempPathFactory):
+    """`await sidecars(spec=..., host=..., port=..., token=...)`: a started real sidecar for a pod of
+    `spec` (default: the controller tests' spec)."""
+    started: list[Sidecar] = []
 
     async def start(
-        host: str = "127.0.0.1", port: int = 0, token: str | None = "secret-token"
-    ) -> SidecarStandIn:
-        s = await SidecarStandIn(token).start(host, port)
+        spec: SpeculativeServingSpec | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = "secret-token",
+    ) -> Sidecar:
+        config = ngram_sidecar_config(spec or make_spec(), tmp_path_factory.mktemp("sidecar"), host, port)
+        s = await Sidecar(config, token).start()
         started.append(s)
         return s
 

@@ -1,6 +1,7 @@
 """Advise mode in the controller's loop: a recommendation is decided but neither pushed nor rolled out;
 back in auto the next tick applies it, rolling the pods out first where the engines cannot switch live.
-Real HTTP sidecar stand-ins; the snapshot is built from rows by the reader's own builder."""
+Real sidecars (the control API of tests/tuner/conftest.py); the snapshot is built from rows by the
+reader's own builder."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import aiohttp
 from prometheus_client import REGISTRY
 
 from specserve_engine import metric_names
+from specserve_operator.render import children as render
 from specserve_operator.tuner import core
 from specserve_operator.tuner import observations as ob
 from specserve_operator.tuner.loop import FleetController
@@ -49,7 +51,7 @@ async def test_advice_waits_for_auto_which_rolls_out_the_recommended_drafter(
     }
     # The engines run eagle, whose acceptance is far under the floor; lookup scored better before.
     rows = [r for pod in PODS for r in rows_for(NS, pod, "eagle", loads, alphas=(0.1,) * 8)]
-    stands = {pod: await sidecars(token=TOKEN) for pod in PODS}
+    stands = {pod: await sidecars(spec=advise, token=TOKEN) for pod in PODS}
     endpoints = {pod: s.url for pod, s in stands.items()}
     clock = [0.0]
     async with aiohttp.ClientSession() as session:
@@ -72,13 +74,26 @@ async def test_advice_waits_for_auto_which_rolls_out_the_recommended_drafter(
 
         clock[0] += advise.speculation.evaluation_interval_seconds
         applied = await controller.tick(core.ResourceView(NS, "advised", auto, PODS), endpoints, TOKEN)
-    d = applied.decision
-    assert not applied.advice and d is not None and d.changed
-    assert (d.action, d.rollout_drafter) == ("rollout", "lookup")
-    assert d.reason.startswith("applying the recommendation made in advise mode")
-    assert state.engine_drafter == "lookup"
-    assert sorted(applied.pushed) == list(PODS)
-    assert all(s.policy["drafter"] == "lookup" for s in stands.values())
+        d = applied.decision
+        assert not applied.advice and d is not None and d.changed
+        assert (d.action, d.rollout_drafter) == ("rollout", "lookup")
+        assert d.reason.startswith("applying the recommendation made in advise mode")
+        assert state.engine_drafter == "lookup"
+        # The running engines run eagle inside vLLM: their sidecars refuse lookup, so nothing is pushed
+        # to them; the pods of the rollout start with lookup and are given the policy at the next tick.
+        assert applied.awaiting_rollout == list(PODS) and not applied.pushed and not applied.unreachable
+        assert all(not s.puts for s in stands.values())
+        rolled = render.with_active_drafter(auto, "lookup")
+        new_pods = {f"{pod}-new": await sidecars(spec=rolled, token=TOKEN) for pod in PODS}
+        clock[0] += advise.speculation.evaluation_interval_seconds
+        after = await controller.tick(
+            core.ResourceView(NS, "advised", auto, tuple(new_pods)),
+            {p: s.url for p, s in new_pods.items()},
+            TOKEN,
+        )
+    assert after.pushed == sorted(new_pods)
+    assert all(s.policy["drafter"] == "lookup" for s in new_pods.values())
+    assert all(s.policy["kByBucket"] == after.decision.pods[p].k_by_bucket for p, s in new_pods.items())
     # The advise-mode series is gone; the same table is now exported as what auto put in force.
     assert _recommended_k("advised", "advise", "lookup", "+Inf") is None
     assert _recommended_k("advised", "auto", "lookup", "+Inf") is not None

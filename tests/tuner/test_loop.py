@@ -1,14 +1,23 @@
-"""The controller's I/O loop: shared reads, pushes to real HTTP sidecar stand-ins, faults, status."""
+"""The controller's I/O loop against real sidecars (tests/tuner/conftest.py): shared reads, pushes,
+reconciling what pods run, concurrency, tokens, forgetting, faults, status."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import time
+import types
 from datetime import UTC, datetime
 
 import aiohttp
 import pytest
+from prometheus_client import REGISTRY
 
+from specserve_engine import metric_names
+from specserve_engine.api import PolicyRequest
+from specserve_engine.client import SidecarClient
 from specserve_operator.tuner import core, observations
-from specserve_operator.tuner.loop import BACKOFF_BASE_S, FleetController
+from specserve_operator.tuner.loop import BACKOFF_BASE_S, SIDECAR_TIMEOUT_S, FleetController
 from specserve_operator.tuner.reader import MetricsUnavailable
 from specserve_operator.tuner.report import status_patch
 
@@ -21,6 +30,7 @@ class FakeReader:
 
     def __init__(self) -> None:
         self.rows: list[observations.Row] = []
+        self.snapshot: observations.FleetSnapshot | None = None  # instead of the rows' snapshot
         self.error: MetricsUnavailable | None = None
         self.reads = 0
 
@@ -28,7 +38,7 @@ class FakeReader:
         self.reads += 1
         if self.error is not None:
             raise self.error
-        return observations.build_snapshot(self.rows, 300.0)
+        return self.snapshot or observations.build_snapshot(self.rows, 300.0)
 
 
 class Clock:
@@ -104,13 +114,15 @@ async def test_wrong_token_is_reported_not_retried_forever(harness) -> None:
     controller, view, _, stands, _ = harness
     tick = await controller.tick(view, {pod: s.url for pod, s in stands.items()}, "wrong")
     assert set(tick.unreachable) == {"pod-a", "pod-b"}
-    assert all("unauthorized" in e for e in tick.unreachable.values())
+    assert all("wrong bearer token" in e for e in tick.unreachable.values())
 
 
 async def test_older_version_after_a_restart_is_renumbered(harness) -> None:
     controller, view, _, stands, _ = harness
-    for s in stands.values():
-        s.policy = {**s.policy, "policyVersion": 40}
+    async with aiohttp.ClientSession() as session:  # another operator numbered higher
+        for s in stands.values():
+            start_up = PolicyRequest.model_validate({**s.policy, "policyVersion": 40})
+            await SidecarClient(s.url, TOKEN, session).put_policy(start_up)
     tick = await controller.tick(view, {pod: s.url for pod, s in stands.items()}, TOKEN)
     assert sorted(tick.pushed) == ["pod-a", "pod-b"]
     assert all(s.policy["policyVersion"] > 40 for s in stands.values())
@@ -151,3 +163,162 @@ async def test_status_after_a_decision(harness) -> None:
     assert patch["fleet"]["meanAcceptedLength"] > 2.0
     kinds = {c["type"]: c["status"] for c in patch["conditions"]}
     assert kinds == {"MetricsAvailable": "True", "SpeculationHealthy": "True", "PoliciesApplied": "True"}
+
+
+async def test_a_restarted_sidecar_is_given_its_policy_again_at_the_next_tick(harness) -> None:
+    controller, view, _, stands, clock = harness
+    endpoints = {pod: s.url for pod, s in stands.items()}
+    first = await controller.tick(view, endpoints, TOKEN)
+    in_force = stands["pod-b"].policy
+    await stands["pod-b"].restart()  # back at its start-up policy, version 0
+    assert stands["pod-b"].policy["policyVersion"] == 0 and stands["pod-b"].policy != in_force
+    clock.now += 30
+    again = await controller.tick(view, endpoints, TOKEN)
+    assert again.pushed == ["pod-b"] and "version 0" in again.restored["pod-b"]
+    assert stands["pod-b"].policy == in_force
+    version = first.decision.policy_version
+    assert stands["pod-b"].policy_info() == (in_force["drafter"], in_force["mode"], version)
+    assert len(stands["pod-a"].puts) == 1  # the pod that kept its policy is not pushed again
+
+
+async def test_a_restarted_sidecar_gets_the_policy_in_force_back_while_prometheus_is_down(harness) -> None:
+    controller, view, reader, stands, clock = harness
+    endpoints = {pod: s.url for pod, s in stands.items()}
+    await controller.tick(view, endpoints, TOKEN)
+    in_force = stands["pod-a"].policy
+    reader.error = MetricsUnavailable("PrometheusDown", "connection refused")
+    await stands["pod-a"].restart()
+    clock.now += 30
+    down = await controller.tick(view, endpoints, TOKEN)
+    assert down.decision is None and down.pushed == ["pod-a"]  # nothing decided, nothing lost
+    assert stands["pod-a"].policy == in_force
+
+
+async def test_a_pod_started_later_gets_the_policy_at_the_next_tick(harness, sidecars) -> None:
+    controller, view, _, stands, clock = harness
+    endpoints = {pod: s.url for pod, s in stands.items()}
+    await controller.tick(view, endpoints, TOKEN)
+    stands["pod-c"] = await sidecars()
+    endpoints["pod-c"] = stands["pod-c"].url
+    clock.now += 30
+    grown = await controller.tick(dataclasses.replace(view, pods=(*view.pods, "pod-c")), endpoints, TOKEN)
+    assert grown.pushed == ["pod-c"] and not grown.restored
+    target = grown.decision.pods["pod-c"]
+    held = stands["pod-c"].policy
+    assert (held["drafter"], held["mode"], held["kByBucket"]) == (
+        target.drafter,
+        target.mode,
+        target.k_by_bucket,
+    )
+
+
+async def _hung_server() -> tuple[asyncio.Server, str]:
+    """Accepts connections and never answers (a hung sidecar)."""
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client gives up and closes
+        writer.close()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_hung_sidecars_cost_a_tick_one_deadline_not_one_each(harness, spec_factory) -> None:
+    controller, _view, _, stands, _ = harness
+    hung = [await _hung_server() for _ in range(4)]
+    try:
+        pods = ("pod-a", "hung-0", "hung-1", "hung-2", "hung-3")
+        endpoints = {"pod-a": stands["pod-a"].url} | {f"hung-{i}": url for i, (_, url) in enumerate(hung)}
+        view = core.ResourceView(NS, "llm", spec_factory(), pods)
+        started = time.monotonic()
+        tick = await controller.tick(view, endpoints, TOKEN)
+        elapsed = time.monotonic() - started
+    finally:
+        for server, _ in hung:
+            server.close()
+            await server.wait_closed()
+    assert set(tick.unreachable) == set(pods) - {"pod-a"}
+    # One per-call deadline (SIDECAR_TIMEOUT_S) for all four, not 2 tries x 2 calls x 4 pods in a row.
+    assert elapsed < 2 * SIDECAR_TIMEOUT_S, elapsed
+
+
+async def test_a_rotated_token_costs_one_retry_not_a_failed_push(harness) -> None:
+    controller, view, _, stands, _ = harness
+    for s in stands.values():
+        await s.restart(token="rotated-token")  # a new Secret, mounted after a restart
+    reads = []
+
+    async def read_secret() -> str:
+        reads.append(1)
+        return "rotated-token"
+
+    tick = await controller.tick(
+        view, {pod: s.url for pod, s in stands.items()}, TOKEN, refresh_token=read_secret
+    )
+    assert tick.pushed == ["pod-a", "pod-b"] and not tick.unreachable
+    assert len(reads) == 1  # re-read once for the resource, not per pod or per call
+
+
+async def test_a_deleted_resource_is_forgotten_and_one_made_again_starts_afresh(harness) -> None:
+    controller, view, _, stands, clock = harness
+    endpoints = {pod: s.url for pod, s in stands.items()}
+    first = await controller.tick(view, endpoints, TOKEN, uid="uid-1")
+    assert first.decision.changed and _recommended(view) is not None
+    old_state = controller.states[view.key]
+    # Made again under the same name (a new uid): nothing of the old one is inherited.
+    clock.now += 30
+    again = await controller.tick(view, endpoints, TOKEN, uid="uid-2")
+    assert controller.states[view.key] is not old_state and again.decision.changed
+    controller.forget(view.key)
+    assert view.key not in controller.states and view.key not in controller.views
+    assert view.key not in controller.applied and view.key not in controller.uids
+    assert _recommended(view) is None
+    assert not controller.readers and not controller._backoff  # no resource reads that Prometheus now
+    decisions = REGISTRY.get_sample_value(
+        metric_names.OPERATOR_DECISIONS.series[0],
+        {"namespace": NS, "name": view.name, "action": first.decision.action},
+    )
+    assert decisions is None
+
+
+def _recommended(view: core.ResourceView) -> float | None:
+    labels = {"namespace": NS, "name": view.name, "mode": "auto", "drafter": "draft", "bucket": "4"}
+    return REGISTRY.get_sample_value(metric_names.OPERATOR_RECOMMENDED_K.name, labels)
+
+
+async def test_backing_off_raises_a_new_exception_each_time(harness) -> None:
+    controller, view, reader, _, clock = harness
+    reader.error = MetricsUnavailable("PrometheusDown", "connection refused")
+    errors = []
+    for _ in range(3):
+        errors.append((await controller.tick(view, {}, TOKEN)).metrics_error)
+        clock.now += 0.1  # within the backoff: Prometheus is not asked
+    assert reader.reads == 1
+    assert len({id(e) for e in errors}) == 3
+    assert all((e.reason, str(e)) == ("PrometheusDown", "connection refused") for e in errors)
+    assert all(e.__traceback__ is None or _depth(e.__traceback__) < 10 for e in errors[1:])
+
+
+def _depth(tb: types.TracebackType | None) -> int:
+    n = 0
+    while tb is not None:
+        n, tb = n + 1, tb.tb_next
+    return n
+
+
+def test_durations_are_measured_on_a_monotonic_clock() -> None:
+    assert FleetController("http://prometheus", None).clock is time.monotonic  # type: ignore[arg-type]
+
+
+async def test_a_resource_that_fails_to_decide_does_not_stop_the_others(harness, spec_factory) -> None:
+    controller, view, reader, _, _ = harness
+    bad = core.ResourceView(NS, "bad", spec_factory(), ("pod-x",))
+    snapshot = observations.build_snapshot(reader.rows, 300.0)
+    # A pod observation no boundary check let through: deciding for its resource raises.
+    snapshot.pods[(NS, "pod-x")] = observations.PodObservation(
+        NS, "pod-x", drafter="draft", by_drafter={"draft": {"4": None}}
+    )
+    reader.snapshot = snapshot
+    ticks = await controller.decide_all([bad, view])
+    assert ticks[bad.key].decision is None and ticks[bad.key].error
+    assert ticks[view.key].decision is not None and ticks[view.key].error is None

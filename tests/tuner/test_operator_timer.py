@@ -1,5 +1,5 @@
 """The controller inside the operator: kopf (all handler modules) against the kmock API server, a real
-Prometheus holding the pods' history, and real HTTP sidecar stand-ins at the pods' addresses."""
+Prometheus holding the pods' history, and real sidecars (tests/tuner/conftest.py) at the pods' addresses."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ from typing import Any
 import jsonschema
 import kmock
 import pytest
+from prometheus_client import REGISTRY
 from rich.console import Console
 
+from specserve_engine import metric_names
 from specserve_operator import cli, status_cli
 from specserve_operator.api import crd
+from specserve_operator.api.models import parse_spec
 from specserve_operator.render import children as render
+from specserve_operator.tuner import timer
 from specserve_testing.kmock_emulator import NAMESPACE, SERVINGS, RVEmulator, eventually
 
 pytestmark = [
@@ -81,7 +85,7 @@ def _serving(emulator: RVEmulator) -> dict[str, Any]:
 
 def _token(emulator: RVEmulator) -> str | None:
     key = (kmock.resource("v1/secrets"), NAMESPACE, render.names(NAME)["secret"])
-    if key not in emulator.objects:
+    if key not in emulator.objects or emulator.objects[key].deleted:
         return None
     secret = emulator.objects[key].raw
     return (secret.get("stringData") or {}).get(render.TOKEN_KEY)
@@ -114,9 +118,10 @@ async def _start_fleet(emulator: RVEmulator, sidecars, resource: dict[str, Any])
         f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings", json=resource
     )
     token = await eventually(lambda: _token(emulator), timeout=30)
+    spec = parse_spec(resource["spec"])
     stands = []
     for pod, host in zip(PODS, _loopback_hosts(), strict=True):
-        stands.append(await sidecars(host=host, port=render.SIDECAR_PORT, token=token))
+        stands.append(await sidecars(spec=spec, host=host, port=render.SIDECAR_PORT, token=token))
         await emulator.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=_pod(pod, host))
     return stands
 
@@ -268,3 +273,134 @@ async def test_advise_mode_pushes_nothing_shows_the_recommendation_and_auto_appl
         await asyncio.sleep(3)
         assert [len(s.puts) for s in stands] == puts
         assert _serving(kube_emulator)["status"]["kByBucket"] == status["kByBucket"]
+
+
+def _secret_path() -> str:
+    return f"/api/v1/namespaces/{NAMESPACE}/secrets/{render.names(NAME)['secret']}"
+
+
+def _in_force(emulator: RVEmulator, stands: list) -> bool:
+    """Every sidecar runs the policy the status says is in force."""
+    status = _serving(emulator).get("status") or {}
+    return bool(status.get("kByBucket")) and all(
+        (s.policy["policyVersion"], s.policy["kByBucket"]) == (status["policyVersion"], status["kByBucket"])
+        for s in stands
+    )
+
+
+async def test_a_restarted_sidecar_a_rotated_token_and_a_deleted_secret_are_caught_up(
+    kube_emulator: RVEmulator, operator_runner, prometheus_factory, history, sidecars, resource, monkeypatch
+) -> None:
+    prom = prometheus_factory(openmetrics=history)
+    monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", prom.url)
+    monkeypatch.setattr(timer, "TOKEN_TTL_S", 1.0)  # a deleted Secret is noticed within a second
+    async with operator_runner():
+        stands = await _start_fleet(kube_emulator, sidecars, resource)
+        await eventually(lambda: _in_force(kube_emulator, stands), timeout=60)
+
+        # A sidecar restarts at its start-up policy (version 0): it is given the policy again.
+        await stands[0].restart()
+        assert not _in_force(kube_emulator, stands)
+        await eventually(lambda: _in_force(kube_emulator, stands), timeout=20)
+        restored = await eventually(lambda: _events(kube_emulator, "PolicyRestored"), timeout=20)
+        assert restored[0]["message"].startswith(f"{PODS[0]}: ran policy version 0")
+
+        # The Secret is rotated and the sidecars take the new token up: one 401, re-read, pushed.
+        await kube_emulator.patch(
+            _secret_path(),
+            json={"stringData": {render.TOKEN_KEY: "rotated-token"}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        await asyncio.gather(*(s.restart(token="rotated-token") for s in stands))
+        await eventually(lambda: _in_force(kube_emulator, stands), timeout=20)
+        assert not [e for e in _events(kube_emulator, "SidecarUnreachable") if "token" in e["message"]]
+
+        # The Secret is deleted: the operator makes it again, with a new token of the resource's own.
+        await kube_emulator.delete(_secret_path())
+        token = await eventually(lambda: (t := _token(kube_emulator)) not in (None, "rotated-token") and t)
+        secret = kube_emulator.objects[
+            (kmock.resource("v1/secrets"), NAMESPACE, render.names(NAME)["secret"])
+        ]
+        owners = [o["uid"] for o in secret.raw["metadata"]["ownerReferences"]]
+        assert owners == [_serving(kube_emulator)["metadata"]["uid"]]
+        await eventually(lambda: _events(kube_emulator, "ControlTokenRecreated"), timeout=20)
+        for s in stands:
+            await s.restart(token=token)
+        await eventually(lambda: _in_force(kube_emulator, stands), timeout=20)
+
+
+def _recommended_k() -> float | None:
+    """The operator's recommended-K series for the resource (it runs in this process)."""
+    labels = {"namespace": NAMESPACE, "name": NAME, "mode": "auto", "drafter": "draft", "bucket": "4"}
+    return REGISTRY.get_sample_value(metric_names.OPERATOR_RECOMMENDED_K.name, labels)
+
+
+async def test_a_resource_made_again_under_its_name_inherits_no_state_and_no_token(
+    kube_emulator: RVEmulator, operator_runner, prometheus_factory, history, sidecars, resource, monkeypatch
+) -> None:
+    prom = prometheus_factory(openmetrics=history)
+    monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", prom.url)
+    path = f"/apis/specserve.io/v1alpha1/namespaces/{NAMESPACE}/speculativeservings/{NAME}"
+    key = (kmock.resource(SERVINGS), NAMESPACE, NAME)
+    async with operator_runner():
+        stands = await _start_fleet(kube_emulator, sidecars, resource)
+        await eventually(lambda: _in_force(kube_emulator, stands), timeout=60)
+        old_token = _token(kube_emulator)
+        assert _recommended_k() is not None
+        await kube_emulator.delete(path)
+        await eventually(lambda: kube_emulator.objects[key].deleted, timeout=30)
+        assert _recommended_k() is None  # forgotten: the operator exports nothing more about it
+        await kube_emulator.post(path.rsplit("/", 1)[0], json=resource)
+        token = await eventually(
+            lambda: (t := _token(kube_emulator)) not in (None, old_token) and t, timeout=30
+        )
+        for s in stands:  # the new resource's pods: started with its own Secret
+            await s.restart(token=token)
+        await eventually(lambda: _in_force(kube_emulator, stands), timeout=30)
+        uid = _serving(kube_emulator)["metadata"]["uid"]
+
+        def decided_afresh() -> list:
+            # The old resource's state would make the first decision a `hold`: no Policy Event for it.
+            return [e for e in _events(kube_emulator, "Policy") if e["involvedObject"]["uid"] == uid]
+
+        await eventually(decided_afresh, timeout=20)
+
+
+async def test_a_failing_tick_gives_the_resource_a_condition_and_an_event(
+    kube_emulator: RVEmulator, operator_runner, prometheus_factory, history, sidecars, resource, monkeypatch
+) -> None:
+    prom = prometheus_factory(openmetrics=history)
+    monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", prom.url)
+    monkeypatch.setattr(timer, "TOKEN_TTL_S", 0.5)  # the Secret is read at every tick
+    async with operator_runner():
+        stands = await _start_fleet(kube_emulator, sidecars, resource)
+        await eventually(lambda: _in_force(kube_emulator, stands), timeout=60)
+        kube_emulator["get", kmock.resource("v1/secrets")] << kmock.KubernetesError(
+            status=500, reason="InternalError", message="etcd is having a bad day"
+        )
+        failed = await eventually(
+            lambda: (
+                (c := _condition(_serving(kube_emulator), "DecisionFailed")) and c["status"] == "True" and c
+            ),
+            timeout=20,
+        )
+        assert "etcd is having a bad day" in failed["message"]
+        events = await eventually(lambda: _events(kube_emulator, "DecisionFailed"), timeout=20)
+        await asyncio.sleep(6)  # another tick, the same failure: no second Event
+        assert len(_events(kube_emulator, "DecisionFailed")) == len(events) == 1
+        assert _in_force(kube_emulator, stands)  # fail static: the pods keep their policy
+
+
+async def test_a_warning_about_the_resource_is_an_event_once_not_every_interval(
+    kube_emulator: RVEmulator, operator_runner, prometheus_factory, history, sidecars, resource, monkeypatch
+) -> None:
+    resource["spec"]["engine"]["gpu"]["product"] = "NVIDIA-A100-SXM4-80GB"  # not in the cost model
+    prom = prometheus_factory(openmetrics=history)
+    monkeypatch.setenv("SPECSERVE_PROMETHEUS_URL", prom.url)
+    async with operator_runner():
+        stands = await _start_fleet(kube_emulator, sidecars, resource)
+        await eventually(lambda: _in_force(kube_emulator, stands), timeout=60)
+        events = await eventually(lambda: _events(kube_emulator, "UnknownGpu"), timeout=20)
+        assert "NVIDIA-A100-SXM4-80GB" in events[0]["message"]
+        await asyncio.sleep(6)  # another evaluation with the same warning
+        assert len(_events(kube_emulator, "UnknownGpu")) == 1

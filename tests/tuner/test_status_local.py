@@ -1,5 +1,5 @@
 """`specserve status --local`: the local fleet's status file, written after each controller tick from the
-controller's real tick (a real Prometheus holding two pods' history, real HTTP sidecar stand-ins), read
+controller's real tick (a real Prometheus holding two pods' history, real sidecars), read
 back by the status command. The engines are left out: what the file holds comes from the tick alone."""
 
 from __future__ import annotations
