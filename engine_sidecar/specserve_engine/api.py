@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from specserve_engine.buckets import INF
 
 PodMode = Literal["on", "off"]
-# available: configured and buildable, loaded (and warmed) when a policy first names it.
+# available: configured and buildable, loaded (and warmed) when a policy first names it. failed: it could
+# not be built or loaded, or raised on too many draft calls in a row (`error` says which); it drafts
+# nothing until a new policy names it and it warms up again.
 DrafterStatus = Literal["loaded", "loading", "failed", "available"]
 # colocated: vLLM's own drafter inside the engine; sidecar: hosted by the sidecar on the engine's devices;
 # separateGpu: hosted by the sidecar on a GPU of its own, NVLink-connected to the target's.

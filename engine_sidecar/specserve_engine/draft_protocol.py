@@ -18,6 +18,11 @@ Frames are little-endian and length-prefixed:
 `batch_size` is the number of requests the step scheduled: the sidecar takes K from its policy for that
 batch size and never returns more than a row's `max_k` (the engine's num_speculative_tokens, less the
 room left before max_model_len). `call_id` lets the client drop a late answer to an abandoned call.
+
+Limits: a request carries at most `MAX_ROWS` rows and `MAX_FRAME_TOKENS` tokens in all, so no frame is
+longer than `MAX_FRAME_BYTES` (about 16 MiB); a longer length prefix is refused before anything is
+read, and a frame's bytes are buffered only as they arrive. The proposer keeps within the token budget
+by leaving the rows that would overflow it to the next step.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ SOCKET_NAME = "drafts.sock"
 MAX_SOCKET_PATH_BYTES = 107
 DEADLINE_ENV = "SPECSERVE_DRAFT_DEADLINE_MS"
 DEFAULT_DEADLINE_MS = 50.0
-MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 REQUEST_MAGIC = 0x53505251  # "SPRQ"
 RESPONSE_MAGIC = 0x53505253  # "SPRS"
@@ -57,6 +61,11 @@ _REQ_HEAD = struct.Struct("<IIII")
 _ROW_HEAD = struct.Struct("<IBBII")
 _RESP_HEAD = struct.Struct("<III")
 _ANSWER_HEAD = struct.Struct("<BB")
+
+MAX_ROWS = 4096  # rows of one engine step (vLLM's max_num_seqs stays far below)
+MAX_FRAME_TOKENS = 1 << 22  # tokens of one request, all rows together (16 MiB of i32)
+MAX_FRAME_BYTES = _REQ_HEAD.size + MAX_ROWS * _ROW_HEAD.size + 4 * MAX_FRAME_TOKENS
+_RECV_CHUNK = 1 << 20
 
 
 class RowOp(IntEnum):
@@ -115,6 +124,8 @@ def decode_request(body: bytes) -> DraftRequest:
         magic, call_id, batch_size, n_rows = _REQ_HEAD.unpack_from(body, 0)
         if magic != REQUEST_MAGIC:
             raise ProtocolError(f"bad request magic {magic:#x}")
+        if n_rows > MAX_ROWS:
+            raise ProtocolError(f"{n_rows} rows exceed {MAX_ROWS}")
         off = _REQ_HEAD.size
         rows = []
         for _ in range(n_rows):
@@ -182,14 +193,15 @@ def recv_frame(sock: socket.socket) -> bytes | None:
 
 
 def _recv_exact(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
+    """n bytes, buffered as they arrive (a length prefix alone allocates nothing)."""
+    chunks: list[bytes] = []
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
+        chunk = sock.recv(min(n - got, _RECV_CHUNK))
+        if not chunk:
             if got == 0 and allow_eof:
                 return None
             raise ConnectionError("peer closed mid-frame")
-        got += k
-    return bytes(buf)
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

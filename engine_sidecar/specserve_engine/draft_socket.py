@@ -1,6 +1,10 @@
 """The sidecar's draft socket server: `drafts.sock` in the runtime dir (wire format in draft_protocol.py,
 described in docs/sidecar.md, "The draft socket"). One thread per engine connection keeps that
 connection's token table and answers each engine step with the drafts the service gives for it.
+
+At most `MAX_CONNECTIONS` connections are served at once (further ones are closed on accept), and one
+that sends nothing for `IDLE_TIMEOUT_S` is closed: the proposer reconnects on its next call. Anything
+that goes wrong on a connection closes that connection, logged once, never the server.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ log = logging.getLogger("specserve.sidecar")
 
 _epochs = itertools.count(1)
 _connections = itertools.count(1)  # process-wide: drafter state is keyed by connection
+
+MAX_CONNECTIONS = 32  # an engine opens one per worker; a few more cover reconnects
+IDLE_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -69,12 +76,21 @@ class SequenceTable:
 class DraftSocketServer:
     """Accepts engine connections on the Unix socket; one thread per connection."""
 
-    def __init__(self, service: SidecarService, path: Path) -> None:
+    def __init__(
+        self,
+        service: SidecarService,
+        path: Path,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.service = service
         self.path = path
+        self.idle_timeout_s = idle_timeout_s
+        self.max_connections = max_connections
         self._listener: socket.socket | None = None
         self._open: set[socket.socket] = set()
         self._stopping = False
+        self._refused = 0
 
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,6 +115,17 @@ class DraftSocketServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            if len(self._open) >= self.max_connections:
+                self._refused += 1
+                if self._refused == 1 or self._refused % 1000 == 0:
+                    log.warning(
+                        "draft socket: %d connections refused over the limit of %d",
+                        self._refused,
+                        self.max_connections,
+                    )
+                conn.close()
+                continue
+            conn.settimeout(self.idle_timeout_s)
             self._open.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="draft-conn", daemon=True).start()
 
@@ -112,9 +139,11 @@ class DraftSocketServer:
                 req = decode_request(body)
                 answers = self.service.answer(table, req.rows, req.batch_size)
                 conn.sendall(encode_response(DraftResponse(req.call_id, answers)))
-        except (OSError, ConnectionError, ProtocolError) as exc:
+        except (OSError, ConnectionError, ProtocolError) as exc:  # TimeoutError: idle too long
             if not self._stopping:
                 log.info("engine connection %d closed: %r", table.connection, exc)
+        except Exception:  # a bug costs this connection (the proposer reconnects), never the thread silently
+            log.exception("engine connection %d closed on an unexpected error", table.connection)
         finally:
             self._open.discard(conn)
             conn.close()

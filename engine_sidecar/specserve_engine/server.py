@@ -19,11 +19,10 @@ from pathlib import Path
 
 import aiohttp
 import torch
-from aiohttp import web
 from pydantic import ValidationError
 
 from specserve_engine.api import SidecarConfig
-from specserve_engine.control_api import build_app, read_token
+from specserve_engine.control_api import TokenFile, build_app, start_control_server
 from specserve_engine.draft_protocol import SOCKET_NAME
 from specserve_engine.draft_socket import DraftSocketServer
 from specserve_engine.drafters import DrafterError
@@ -47,16 +46,14 @@ async def watch_engine(service: SidecarService, url: str) -> None:
 
 
 async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> None:
-    token = read_token(config.token_file)
+    token = TokenFile(config.token_file) if config.token_file is not None else None
     if token is None:
         log.warning("no tokenFile: the control API accepts unauthenticated calls")
     service = SidecarService(config)
     sockets = DraftSocketServer(service, Path(config.runtime_dir) / SOCKET_NAME)
     sockets.start()
-    runner = web.AppRunner(build_app(service, token), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    log.info("control API on http://%s:%d", config.host, config.port)
+    control = await start_control_server(build_app(service, token), config.host, config.port)
+    log.info("control API on http://%s:%d", config.host, control.port)
     watcher = asyncio.create_task(watch_engine(service, config.engine_url))
     try:
         await service.start()
@@ -66,7 +63,7 @@ async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> Non
     finally:
         watcher.cancel()
         sockets.stop()
-        await runner.cleanup()
+        await control.close()
 
 
 def main(argv: list[str] | None = None) -> None:

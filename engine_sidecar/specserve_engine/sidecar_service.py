@@ -6,6 +6,11 @@ policy change replaces it whole, so a switch (drafter, K table, on/off) lands be
 drafter not yet loaded is loaded and warmed in a background thread (202), then switched to if its policy
 is still the newest. Every applied policy is also written to `policy.json`, which the engine's
 live-policy plugin reads to apply K per bucket to a colocated drafter.
+
+Each drafter has its own lock (its per-sequence state takes one call at a time), so warming one drafter
+never delays the draft calls of another. A drafter that raises costs that step's drafts; after
+`MAX_CONSECUTIVE_DRAFTER_ERRORS` calls in a row it is marked failed and drafts nothing until a new
+policy names it again (it is then re-loaded and warmed first).
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ WARMUP_STEPS = 4
 WARMUP_CONNECTION = -1  # the key space of synthetic warm-up sequences
 DEVICE_ENV = "SPECSERVE_DRAFTER_DEVICE"
 LIGHT_METHODS = ("ngram", "suffix")  # no weights: loaded at start-up
+MAX_CONSECUTIVE_DRAFTER_ERRORS = 10
+DRAFTER_ERROR_LOG_INTERVAL_S = 60.0  # after the first traceback, one summary line per interval
+MAX_DRAFT_TOKEN = 2**31 - 1  # the draft socket carries i32 tokens
 
 
 class PolicyRefused(Exception):
@@ -101,6 +109,8 @@ class SidecarMetrics:
         self.k = Gauge(m.name, m.help, m.labels, registry=self.registry)
         m = metric_names.SIDECAR_SWITCHES
         self.switches = Counter(m.name, m.help, m.labels, registry=self.registry)
+        m = metric_names.SIDECAR_DRAFTER_ERRORS
+        self.drafter_errors = Counter(m.name, m.help, m.labels, registry=self.registry)
         m = metric_names.SIDECAR_DRAFT_SECONDS
         self.draft_seconds = Histogram(
             m.name,
@@ -110,12 +120,17 @@ class SidecarMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
         )
         self.labels = bucket_labels(bucket_bounds)
+        # The policy changes on the event loop, a drafter fails on a draft thread.
+        self._show_lock = threading.Lock()
 
-    def show(self, policy: PolicyRequest) -> None:
-        self.policy_info.clear()
-        self.policy_info.labels(policy.drafter, policy.mode, str(policy.policy_version)).set(1)
-        for label in self.labels:
-            self.k.labels(label).set(policy.k_for_bucket(label))
+    def show(self, policy: PolicyRequest, drafter_status: DrafterStatus) -> None:
+        with self._show_lock:
+            self.policy_info.clear()
+            self.policy_info.labels(
+                policy.drafter, policy.mode, str(policy.policy_version), drafter_status
+            ).set(1)
+            for label in self.labels:
+                self.k.labels(label).set(policy.k_for_bucket(label))
 
 
 class SidecarService:
@@ -143,7 +158,12 @@ class SidecarService:
             except DrafterError as exc:
                 self.status[spec.name] = ("failed", str(exc))
         self.vocab_size = _vocab_size(config.model_path)
-        self.draft_lock = threading.Lock()  # drafters keep per-sequence state: one draft call at a time
+        # Drafters keep per-sequence state: one call at a time per drafter.
+        self.locks = {name: threading.Lock() for name in self.drafters}
+        self._errors_lock = threading.Lock()
+        self._consecutive_errors = dict.fromkeys(self.drafters, 0)
+        self._error_logged_at: dict[str, float] = {}
+        self._errors_since_log = dict.fromkeys(self.drafters, 0)
         self.warm = False
         self.engine_reachable = False
         self.pending: PolicyRequest | None = None
@@ -230,7 +250,7 @@ class SidecarService:
         except OSError as exc:
             raise PolicyRefused(500, f"cannot write the policy file: {exc}") from exc
         self.in_force = new  # the switch: draft threads read this reference once per call
-        self.metrics.show(req)
+        self._show_policy()
         for kind in change_kinds(old, req):
             self.metrics.switches.labels(kind, "applied").inc()
         log.info(
@@ -272,9 +292,16 @@ class SidecarService:
         except Exception as exc:  # a bad checkpoint must not take the sidecar down
             log.exception("drafter %s failed to load", name)
             self.status[name] = ("failed", f"{type(exc).__name__}: {exc}")
+            self._show_policy()
             return
+        self._consecutive_errors[name] = 0
         self.status[name] = ("loaded", None)
+        self._show_policy()
         log.info("drafter %s loaded and warmed in %.2f s", name, time.perf_counter() - t0)
+
+    def _show_policy(self) -> None:
+        req = self.in_force.request
+        self.metrics.show(req, self.status[req.drafter][0])
 
     def _load_and_warm(self, drafter: Drafter) -> None:
         drafter.load()
@@ -285,9 +312,9 @@ class SidecarService:
             tokens = np.concatenate([tokens, tokens[: WARMUP_PROMPT_TOKENS // 2]])  # something to look up
             for step in range(WARMUP_STEPS):
                 seq = Seq((WARMUP_CONNECTION, i), 0, tokens[: len(tokens) - WARMUP_STEPS + step + 1])
-                with self.draft_lock:
+                with self.locks[drafter.name]:
                     drafter.draft([seq], [drafter.max_k])
-        with self.draft_lock:
+        with self.locks[drafter.name]:
             drafter.forget(WARMUP_CONNECTION)
 
     async def start(self) -> None:
@@ -334,6 +361,8 @@ class SidecarService:
     def answer(self, table: SequenceTable, rows: list[RowUpdate], batch_size: int) -> list[RowAnswer]:
         force = self.in_force  # read once: the whole call sees one policy
         drafter = force.drafter
+        if drafter is not None and self.status[drafter.name][0] != "loaded":
+            drafter = None  # marked failed (or being warmed again): no drafts
         k = force.k_for_batch(batch_size) if drafter is not None else 0
         answers = [RowAnswer(RowStatus.OK, []) for _ in rows]
         seqs: list[Seq] = []
@@ -352,24 +381,68 @@ class SidecarService:
         if not seqs:
             return answers
         assert drafter is not None
+        name = drafter.name
         t0 = time.perf_counter()
         try:
-            with self.draft_lock:
+            with self.locks[name]:
                 drafts = drafter.draft(seqs, ks)
-        except Exception:  # a drafter bug costs this step's drafts, never the engine's requests
-            log.exception("drafter %s failed on a draft call", drafter.name)
+            # Checked here, inside the try: a drafter that returns the wrong shape fails like one that raises.
+            checked = [(i, _draft_tokens(d, kk)) for i, d, kk in zip(where, drafts, ks, strict=True)]
+        except Exception as exc:  # a drafter bug costs this step's drafts, never the engine's requests
+            self._drafter_raised(name, exc)
             return answers
         finally:
-            self.metrics.draft_seconds.labels(drafter.name).observe(time.perf_counter() - t0)
-        for i, d, kk in zip(where, drafts, ks, strict=True):
-            answers[i] = RowAnswer(RowStatus.OK, [int(t) for t in d[:kk]])
+            self.metrics.draft_seconds.labels(name).observe(time.perf_counter() - t0)
+        if self._consecutive_errors[name]:
+            self._consecutive_errors[name] = 0
+        for i, tokens in checked:
+            answers[i] = RowAnswer(RowStatus.OK, tokens)
         return answers
 
+    def _drafter_raised(self, name: str, exc: Exception) -> None:
+        """Count a failed draft call; log the first with its traceback, then one line per interval; mark
+        the drafter failed after MAX_CONSECUTIVE_DRAFTER_ERRORS in a row."""
+        self.metrics.drafter_errors.labels(name).inc()
+        with self._errors_lock:
+            failures = self._consecutive_errors[name] = self._consecutive_errors[name] + 1
+            self._errors_since_log[name] += 1
+            now = time.monotonic()
+            logged_at = self._error_logged_at.get(name)
+            if logged_at is None:
+                log.error("drafter %s raised on a draft call (no drafts this step)", name, exc_info=exc)
+            elif now - logged_at >= DRAFTER_ERROR_LOG_INTERVAL_S:
+                log.error(
+                    "drafter %s: %d draft calls raised in the last %.0f s; latest: %r",
+                    name,
+                    self._errors_since_log[name],
+                    now - logged_at,
+                    exc,
+                )
+            if logged_at is None or now - logged_at >= DRAFTER_ERROR_LOG_INTERVAL_S:
+                self._error_logged_at[name] = now
+                self._errors_since_log[name] = 0
+            if failures < MAX_CONSECUTIVE_DRAFTER_ERRORS or self.status[name][0] != "loaded":
+                return
+            self.status[name] = ("failed", f"{failures} draft calls in a row raised; latest: {exc!r}")
+        log.error(
+            "drafter %s marked failed after %d draft calls in a row raised: it drafts nothing until a new "
+            "policy names it",
+            name,
+            failures,
+        )
+        self._show_policy()
+
     def forget(self, connection: int) -> None:
-        with self.draft_lock:
-            for drafter in self.drafters.values():
-                if self.status[drafter.name][0] == "loaded":
-                    drafter.forget(connection)
+        for drafter in self.drafters.values():
+            with self.locks[drafter.name]:
+                drafter.forget(connection)
+
+
+def _draft_tokens(drafts: list[int], k: int) -> list[int]:
+    tokens = [int(t) for t in drafts[:k]]
+    if tokens and not (min(tokens) >= 0 and max(tokens) <= MAX_DRAFT_TOKEN):
+        raise ValueError(f"draft token outside 0..{MAX_DRAFT_TOKEN}: {tokens}")
+    return tokens
 
 
 def drafter_device() -> str:

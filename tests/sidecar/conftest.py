@@ -1,10 +1,12 @@
 """Fixtures of the sidecar suites: a small random Llama checkpoint (for the drafter arithmetic; the
-acceptance tests use the trained tiny models under models/), sidecar configurations, and a sidecar
-service with its draft socket running in this process."""
+acceptance tests use the trained tiny models under models/), sidecar configurations, a sidecar
+service with its draft socket running in this process, and the whole sidecar (server.serve: control
+API, draft socket and service) running in this process's event loop."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from specserve_engine.api import PolicyRequest, SidecarConfig
 from specserve_engine.draft_protocol import SOCKET_NAME
 from specserve_engine.draft_socket import DraftSocketServer
 from specserve_engine.sidecar_service import SidecarService
+from specserve_testing.inprocess_sidecar import RunningSidecar, free_port, running_sidecar
 
 
 @pytest.fixture(scope="session")
@@ -99,3 +102,20 @@ def draft_socket(draft_server: DraftSocketServer) -> Path:
 @pytest.fixture
 def make_policy() -> Callable[..., PolicyRequest]:
     return policy
+
+
+@pytest.fixture
+async def start_sidecar(
+    tmp_path: Path, random_llama: Path
+) -> AsyncIterator[Callable[..., Awaitable[RunningSidecar]]]:
+    """Starts the whole sidecar in this event loop with config overrides; ready when the call returns."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(**overrides: object) -> RunningSidecar:
+            runtime_dir = tmp_path / f"sidecar-{free_port()}"
+            config = sidecar_config(
+                runtime_dir, random_llama, host="127.0.0.1", port=free_port(), **overrides
+            )
+            return await stack.enter_async_context(running_sidecar(config))
+
+        yield start

@@ -53,7 +53,9 @@ async def test_apply_is_versioned_and_idempotent(api: TestClient, config: Sideca
     status, data = await put(api, body(3, "suffix", 0, mode="off"))
     assert (status, data["mode"]) == (200, "off")
     metrics = await (await api.get("/metrics")).text()
-    assert 'specserve_sidecar_policy_info{drafter="suffix",mode="off",policy_version="3"} 1.0' in metrics
+    labels = 'drafter="suffix",drafter_status="loaded",mode="off",policy_version="3"'
+    info = "specserve_sidecar_policy_info{" + labels + "}"
+    assert f"{info} 1.0" in metrics
     assert 'specserve_sidecar_k{bucket="1"} 0.0' in metrics
     assert 'specserve_sidecar_switches_total{kind="drafter",result="applied"} 1.0' in metrics
     assert 'specserve_sidecar_switches_total{kind="mode",result="applied"} 1.0' in metrics

@@ -132,6 +132,16 @@ async def spec_counters(engine: RunningEngine) -> tuple[float, float]:
     return total("vllm:spec_decode_num_drafts_total"), total("vllm:spec_decode_num_accepted_tokens_total")
 
 
+async def proposer_calls(engine: RunningEngine) -> dict[str, float]:
+    """The proposer's steps by outcome, from the engine's /metrics (specserve_proposer_calls_total)."""
+    samples = await scrape(engine)
+    calls = dict.fromkeys(("answered", "missed", "skipped"), 0.0)
+    for (name, labels), value in samples.items():
+        if name == "specserve_proposer_calls_total":
+            calls[dict(labels)["outcome"]] += value
+    return calls
+
+
 async def run_domain(pod: SidecarPod, domain: str) -> tuple[list[str], float | None]:
     drafts0, acc0 = await spec_counters(pod.engine)
     out = await complete_many(pod.engine, prompts(domain), TOKENS)
@@ -222,19 +232,26 @@ async def test_engine_survives_a_killed_sidecar(
     stop = asyncio.Event()
     load = asyncio.create_task(_load(sidecar_pod.engine, reference["code"][:4], prompts("code")[:4], stop))
     await asyncio.sleep(2)
+    calls0 = await proposer_calls(sidecar_pod.engine)
     sidecar_pod.sidecar.kill()
     await asyncio.sleep(2)  # requests keep flowing without drafts
     drafts0, _ = await spec_counters(sidecar_pod.engine)
     await asyncio.sleep(3)
     drafts1, _ = await spec_counters(sidecar_pod.engine)
+    calls1 = await proposer_calls(sidecar_pod.engine)
     assert drafts1 == drafts0, "drafts while the sidecar was dead"
     await asyncio.to_thread(sidecar_pod.restart_sidecar)
     await asyncio.sleep(3)  # the proposer retries the socket once a second
     drafts2, _ = await spec_counters(sidecar_pod.engine)
+    calls2 = await proposer_calls(sidecar_pod.engine)
     stop.set()
     failures = await load
     assert failures == []
     assert drafts2 > drafts1, "no drafts after the sidecar came back"
+    # The engine's metrics show it: answered steps, then skipped ones while the sidecar was down.
+    assert calls0["answered"] > 0, calls0
+    assert calls1["skipped"] > calls0["skipped"], (calls0, calls1)
+    assert calls2["answered"] > calls1["answered"], (calls1, calls2)
 
 
 async def test_sampling_is_lossless_with_the_sidecars_model_drafters(sidecar_pod: SidecarPod) -> None:

@@ -221,9 +221,9 @@ def test_fleet_costs_remember_measured_ratios_until_they_expire(spec_factory, ro
     measured = core.FleetCosts([view], snap, (), memory, now=0.0).cost(view, drafter).ratio("64", 3)
     assert measured == pytest.approx(3.0, rel=0.05)
     empty = observations.FleetSnapshot(window_s=300.0)
-    # Remembered while fresh (not counted as measured in the window: exploration still re-measures it).
+    # Remembered while fresh, and it counts as measured: no canary re-measures it, no prior replaces it.
     recalled = core.FleetCosts([view], empty, (), memory, now=policy.RATIO_TTL_S - 1).cost(view, drafter)
-    assert recalled.ratio("64", 3) == pytest.approx(measured) and not recalled.measured_spec("64")
+    assert recalled.ratio("64", 3) == pytest.approx(measured) and recalled.measured_spec("64")
     # Expired: back to the median/prior.
     expired = core.FleetCosts([view], empty, (), memory, now=policy.RATIO_TTL_S + 1).cost(view, drafter)
     assert expired.ratio("64", 3) == pytest.approx(1.0)

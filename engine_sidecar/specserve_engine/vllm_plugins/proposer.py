@@ -16,11 +16,22 @@ request, longer now, appends only its new tokens (host work grows with the step'
 context); another request in the row (one finished, or rows were condensed) resets it. A request's tokens
 only grow, so that identity needs no hashing. Tokens a row gained during K = 0 steps go with its next
 append: that is how the sidecar's drafters catch up when speculation resumes.
+
+A request frame stays within the protocol's limits (draft_protocol.py): rows whose tokens would overflow
+`MAX_FRAME_TOKENS` wait for the next step. A connection unused for a while (the sidecar closes idle ones)
+is checked before use and reopened at once if the sidecar closed it.
+
+Every step with rows to draft counts as answered, missed (late, or an error) or skipped (no connection)
+in `CallCounts`: a few bytes of shared memory in the runtime dir that the engine's metrics endpoint, in
+another process, exports as `specserve_proposer_calls_total{outcome}` (`ProposerCallsCollector`,
+registered by stat_logger.py). Counting a step is one memory write.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
+import mmap
 import os
 import socket
 import struct
@@ -31,11 +42,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from specserve_engine import metric_names
 from specserve_engine.draft_protocol import (
     DEADLINE_ENV,
     DEFAULT_DEADLINE_MS,
     MAX_FRAME_BYTES,
+    MAX_FRAME_TOKENS,
+    MAX_ROWS,
     SOCKET_NAME,
     DraftRequest,
     ProtocolError,
@@ -49,6 +65,70 @@ from specserve_engine.draft_protocol import (
 from specserve_engine.policy_file import RUNTIME_DIR_ENV
 
 log = logging.getLogger(__name__)
+
+OUTCOMES = ("answered", "missed", "skipped")
+ANSWERED, MISSED, SKIPPED = range(len(OUTCOMES))
+CALL_COUNTS_GLOB = "proposer-calls-*.bin"  # one file per engine process that proposes
+IDLE_CHECK_S = 1.0  # a connection unused this long is checked before use
+
+
+class CallCounts:
+    """The proposer's step outcomes (OUTCOMES), as native u64s in a file mapped into memory, or in
+    process memory when there is no file."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        size = 8 * len(OUTCOMES)
+        buf: mmap.mmap | bytearray = bytearray(size)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "w+b") as f:  # a new process counts from zero (a counter reset)
+                    f.truncate(size)
+                    buf = mmap.mmap(f.fileno(), size)
+            except OSError as exc:
+                log.warning("specserve proposer: counts not exported, cannot map %s: %s", path, exc)
+        self.values = memoryview(buf).cast("Q")
+
+    def add(self, outcome: int) -> None:
+        self.values[outcome] += 1
+
+
+def read_call_counts(runtime_dir: Path) -> dict[str, int] | None:
+    """The step outcomes of every proposer process that shared this runtime dir, summed; None if none."""
+    totals = dict.fromkeys(OUTCOMES, 0)
+    found = False
+    for name in glob.glob(str(runtime_dir / CALL_COUNTS_GLOB)):
+        try:
+            raw = Path(name).read_bytes()
+        except OSError:
+            continue
+        if len(raw) != 8 * len(OUTCOMES):
+            continue
+        found = True
+        for outcome, value in zip(OUTCOMES, memoryview(raw).cast("Q"), strict=True):
+            totals[outcome] += value
+    return totals if found else None
+
+
+class ProposerCallsCollector(Collector):
+    """Exports the proposers' step outcomes, read from the runtime dir at each scrape."""
+
+    def __init__(self, runtime_dir: Path, model: str) -> None:
+        self.runtime_dir = runtime_dir
+        self.model = model
+
+    def collect(self) -> Any:
+        counts = read_call_counts(self.runtime_dir)
+        if counts is None:
+            return
+        m = metric_names.PROPOSER_CALLS
+        family = CounterMetricFamily(m.name, m.help, labels=m.labels)
+        for outcome, value in counts.items():
+            family.add_metric([self.model, outcome], value)
+        yield family
+
+    def describe(self) -> Any:
+        return []  # nothing to check at registration: the files come and go with the engine's workers
 
 
 @dataclass
@@ -69,6 +149,7 @@ class DraftClient:
         deadline_s: float = DEFAULT_DEADLINE_MS / 1000,
         retry_s: float = 1.0,
         max_late: int = 3,
+        counts: CallCounts | None = None,
     ) -> None:
         self.socket_path = str(socket_path)
         self.max_k = max_k
@@ -83,9 +164,20 @@ class DraftClient:
         self._next_connect = 0.0
         self._call_id = 0
         self._sent: dict[int, _Sent] = {}
-        # Counters a test or benchmark can read: steps answered, steps without an answer.
-        self.answered = 0
-        self.missed = 0
+        self._last_used = 0.0
+        self.counts = counts if counts is not None else CallCounts()
+
+    @property
+    def answered(self) -> int:
+        return int(self.counts.values[ANSWERED])
+
+    @property
+    def missed(self) -> int:
+        return int(self.counts.values[MISSED])
+
+    @property
+    def skipped(self) -> int:
+        return int(self.counts.values[SKIPPED])
 
     @property
     def connected(self) -> bool:
@@ -101,8 +193,10 @@ class DraftClient:
     ) -> list[list[int]]:
         """Up to `k` drafts for each row of the step (rows with no sampled token are a partial prefill)."""
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        self._check_idle()  # before the rows: a reconnect resends them whole
         rows: list[RowUpdate] = []
         sent_now: dict[int, _Sent] = {}
+        budget = MAX_FRAME_TOKENS
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # a partial prefill: nothing to draft for
                 continue
@@ -112,14 +206,18 @@ class DraftClient:
                 continue
             req_id = req_ids[i]
             prev = self._sent.get(i)
-            if prev is not None and prev.req_id == req_id and prev.length <= length:
-                rows.append(
-                    RowUpdate(i, RowOp.APPEND, room, prev.length, token_ids_cpu[i, prev.length : length])
-                )
-            else:
-                rows.append(RowUpdate(i, RowOp.RESET, room, 0, token_ids_cpu[i, :length]))
+            append = prev is not None and prev.req_id == req_id and prev.length <= length
+            start = prev.length if append and prev is not None else 0
+            if length - start > budget or len(rows) == MAX_ROWS:
+                continue  # over the frame's limits: this row goes with a later step
+            budget -= length - start
+            op = RowOp.APPEND if append else RowOp.RESET
+            rows.append(RowUpdate(i, op, room, start, token_ids_cpu[i, start:length]))
             sent_now[i] = _Sent(req_id, length)
-        if not rows or not self._connect():
+        if not rows:
+            return drafts
+        if not self._connect():
+            self.counts.add(SKIPPED)
             return drafts
         self._call_id = (self._call_id + 1) & 0xFFFFFFFF
         request = DraftRequest(self._call_id, len(sampled_token_ids), rows)
@@ -130,7 +228,7 @@ class DraftClient:
             self._sent.update(sent_now)
             answers = self._receive(request, t0 + self.deadline_s)
         except TimeoutError:
-            self.missed += 1
+            self.counts.add(MISSED)
             self._late += 1
             if self._late >= self.max_late:
                 self._drop(
@@ -139,10 +237,10 @@ class DraftClient:
             return drafts  # a late answer is read and dropped by the next call (call_id)
         except (OSError, ConnectionError, ProtocolError) as exc:
             self._drop(f"no drafts this step: {exc!r}")
-            self.missed += 1
+            self.counts.add(MISSED)
             return drafts
         self._late = 0
-        self.answered += 1
+        self.counts.add(ANSWERED)
         for update, answer in zip(rows, answers, strict=True):
             if answer.status != RowStatus.OK:
                 self._sent.pop(update.row, None)
@@ -197,6 +295,18 @@ class DraftClient:
                 raise ConnectionError("sidecar closed the socket")
             buf += chunk
 
+    def _check_idle(self) -> None:
+        """Forget a connection the sidecar closed while it was idle (a clean close: reopened at once)."""
+        now = time.monotonic()
+        if self._sock is not None and now - self._last_used > IDLE_CHECK_S and self._peer_closed():
+            self._sock.close()
+            self._sock = None
+            self._sent.clear()
+            self._buf.clear()
+            self._late = 0
+            self._next_connect = now  # not a failure: no retry delay
+        self._last_used = now
+
     def _connect(self) -> bool:
         if self._sock is not None:
             return True
@@ -216,6 +326,17 @@ class DraftClient:
         self._sent.clear()  # the sidecar's tables are per connection: resend every row in full
         log.info("specserve proposer connected to the sidecar at %s", self.socket_path)
         return True
+
+    def _peer_closed(self) -> bool:
+        sock = self._sock
+        assert sock is not None
+        sock.setblocking(False)  # with a timeout set, recv would first wait up to it; each call sets its own
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False  # open, nothing to read
+        except OSError:
+            return True
 
     def _drop(self, why: str) -> None:
         if self._sock is not None:
@@ -237,6 +358,10 @@ def socket_path_from_env() -> Path:
     return Path(os.environ.get(RUNTIME_DIR_ENV, "/run/specserve")) / SOCKET_NAME
 
 
+def call_counts_path(runtime_dir: Path) -> Path:
+    return runtime_dir / CALL_COUNTS_GLOB.replace("*", str(os.getpid()))
+
+
 class SidecarProposer:
     """vLLM custom_class proposer (see the module docstring)."""
 
@@ -244,12 +369,14 @@ class SidecarProposer:
         spec = vllm_config.speculative_config
         model = vllm_config.model_config
         deadline_ms = float(os.environ.get(DEADLINE_ENV, DEFAULT_DEADLINE_MS))
+        socket_path = socket_path_from_env()
         self.client = DraftClient(
-            socket_path_from_env(),
+            socket_path,
             max_k=int(spec.num_speculative_tokens),
             max_model_len=int(model.max_model_len),
             vocab_size=int(model.get_vocab_size()),
             deadline_s=deadline_ms / 1000,
+            counts=CallCounts(call_counts_path(socket_path.parent)),
         )
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:

@@ -9,11 +9,15 @@ messages, DP dummies) are not engine steps and are not counted.
 `speculating` is "true" for a step that verified at least one draft token. Drafts are labelled with the
 colocated drafter's name (from --additional-config) or, for sidecar-hosted drafters, the drafter named
 by the policy file at the time of the step.
+
+It also registers the collector of the sidecar proposer's step outcomes (`specserve_proposer_calls_total`,
+counted by the proposer in the worker processes, see proposer.py), read from the runtime dir at scrape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter
@@ -21,7 +25,9 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from specserve_engine import metric_names
 from specserve_engine.buckets import bucket_for
+from specserve_engine.policy_file import policy_path
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
+from specserve_engine.vllm_plugins.proposer import ProposerCallsCollector
 
 UNKNOWN_DRAFTER = "unknown"
 
@@ -85,9 +91,10 @@ class _EngineCounters:
         self.draft_tokens_per_position = counter(metric_names.SPEC_DRAFT_TOKENS_PER_POSITION)
 
     @classmethod
-    def get(cls) -> _EngineCounters:
+    def get(cls, runtime_dir: Path, model: str) -> _EngineCounters:
         if cls._instance is None:
             cls._instance = cls()
+            REGISTRY.register(ProposerCallsCollector(runtime_dir, model))
         return cls._instance
 
 
@@ -96,7 +103,7 @@ class SpecserveStatLogger(StatLoggerBase):
         self._plugin = SpecservePluginConfig.from_vllm_config(vllm_config)
         self._reader = self._plugin.policy_reader()
         self._model = str(vllm_config.model_config.served_model_name)
-        self._counters = _EngineCounters.get()
+        self._counters = _EngineCounters.get(policy_path(self._plugin.runtime_dir).parent, self._model)
 
     def _drafter(self) -> str:
         if self._plugin.drafter is not None:

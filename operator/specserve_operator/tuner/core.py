@@ -6,6 +6,7 @@ Pure: no I/O, the clock is an argument. The operator's timer (timer.py) and the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ TRIAL_TICKS = 4
 EXPLORE_TICKS = 2
 # A demotion is reconsidered (the drafter tried again) after this long: traffic changes.
 DEMOTION_TTL_S = 3600.0
+# A drafter's last measured acceptance stands in for the prior this long (as policy.RATIO_TTL_S).
+ACCEPTANCE_TTL_S = 3600.0
+MEASURED_NOW = ("measured", "totals")  # acceptance sources from this window's drafts
 DEFAULT_GPU = "NVIDIA-H100"
 # Decision.warnings keys: condition reasons (CamelCase) the operator reports on the resource.
 METRICS_MISSING = "MetricsMissing"  # no pod of the resource has engine metrics yet: nothing is pushed
@@ -117,6 +121,8 @@ class ResourceState:
     # Whether the policy was ever decided on measurements (or pushed, per status): until then it is only
     # the one the pods start with, and a tick without metrics pushes nothing.
     decided: bool = False
+    # drafter → (its last measured acceptance, when): used while it makes no drafts (every bucket off)
+    acceptance_seen: dict[str, tuple[policy.Acceptance, float]] = field(default_factory=dict)
 
     def switched_pods(self, now: float, window_s: float) -> set[str]:
         """Pods whose drafter changed within the metrics window: their speculative step times mix two
@@ -376,6 +382,27 @@ def measured_acceptance(
     return accs
 
 
+def recalled_acceptance(
+    accs: Mapping[str, policy.Acceptance],
+    seen: Mapping[str, tuple[policy.Acceptance, float]],
+    now: float,
+) -> tuple[dict[str, policy.Acceptance], dict[str, tuple[policy.Acceptance, float]]]:
+    """Measurement before prior: a drafter with no drafts in the window (every bucket off) keeps its last
+    measured acceptance, as `remembered`, for ACCEPTANCE_TTL_S; the prior only stands for drafters never
+    measured. Returns the acceptances to decide with and the updated memory."""
+    memory = {name: (acc, at) for name, (acc, at) in seen.items() if now - at < ACCEPTANCE_TTL_S}
+    out: dict[str, policy.Acceptance] = {}
+    for name, acc in accs.items():
+        if acc.source != "prior":
+            memory[name] = (acc, now)
+            out[name] = acc
+        elif name in memory:
+            out[name] = dataclasses.replace(memory[name][0], source="remembered")
+        else:
+            out[name] = acc
+    return out, memory
+
+
 def _pooled_acceptance_stats(
     observations: list[PodObservation], drafter: str
 ) -> tuple[BucketStats, BucketStats]:
@@ -405,7 +432,7 @@ def drafter_scores(
     return {
         name: policy.drafter_score(accs[name], costs.cost(view, d), bounds, d.max_speculative_tokens, weights)
         for name, d in {d.name: d for d in view.spec.drafters}.items()
-        if accs[name].source != "prior"
+        if accs[name].source in MEASURED_NOW
     }
 
 
@@ -455,7 +482,7 @@ def demotions(
             under.pop(name, None)
             notes.append(f"demoted {name}: {failed:g} failed draft calls and no accepted draft in the window")
             continue
-        if acc.source == "prior" or name in demoted:
+        if acc.source not in MEASURED_NOW or name in demoted:
             continue
         mal = acc.tokens(d.max_speculative_tokens)
         if mal < speculation.mal_floor:
@@ -502,12 +529,22 @@ def k_table(
     now: float,
 ) -> tuple[policy.TableUpdate, int | None]:
     """K per bucket for the drafter in force, with hysteresis against the table in force, and the cliff
-    (the batch size from which no K pays)."""
+    (the batch size from which no K pays). Where no speculative step of this engine and drafter was ever
+    measured, the prior alone does not turn buckets on fleet-wide: an exploration canary measures first
+    (unless exploration is off, where the prior is all there is)."""
     bounds = tuple(speculation.batch_buckets)
     choices = policy.choose_table(acc, cost, bounds, max_k)
     hysteresis = policy.Hysteresis(speculation.min_gain, speculation.cooldown_seconds)
     capped = {label: min(current.get(label, 0), max_k) for label in bucket_labels(bounds)}
     update = policy.update_table(capped, choices, hysteresis, flipped_at, now)
+    if speculation.exploration_share > 0 and not cost.any_spec_measured:
+        held = [label for label, k in update.k_by_bucket.items() if k > 0 and capped[label] == 0]
+        if held:
+            table = {label: (0 if label in held else k) for label, k in update.k_by_bucket.items()}
+            flipped = {label: at for label, at in update.flipped.items() if label not in held}
+            reasons = [r for r in update.reasons if not any(r.startswith(f"bucket {h} on") for h in held)]
+            reasons.append(f"buckets {', '.join(held)} wait for a canary's measurement (prior only)")
+            update = policy.TableUpdate(table, flipped, reasons)
     return update, policy.cliff_batch_size(acc, cost, bounds, max_k, speculation.min_gain)
 
 
@@ -532,7 +569,8 @@ def next_canary(
         return None, None
     drafters = {d.name: d for d in view.spec.drafters}
     pod = sorted(view.pods)[state.canary_round % len(view.pods)]
-    active_score = state.last_score.get(state.drafter, 0.0) if accs[state.drafter].source != "prior" else 0.0
+    measured_now = accs[state.drafter].source in MEASURED_NOW
+    active_score = state.last_score.get(state.drafter, 0.0) if measured_now else 0.0
     # Trials: drafters that can run live and have not been measured for a trial period.
     for name, d in drafters.items():
         if name == state.drafter or name in state.demoted or not live_switchable(d, state.engine_drafter):
@@ -568,6 +606,8 @@ def next_canary(
         if cost.measured_spec(label):
             continue
         choice = policy.best_k(accs[state.drafter], cost, label, active.max_speculative_tokens)
+        if choice.gain < 1.0:
+            continue  # slower than plain decoding by what was measured in other buckets: no canary
         table = dict(state.k_by_bucket)
         table[label] = choice.k
         canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
@@ -674,7 +714,9 @@ def decide(
         return _finish(view, state, observations, outcome, now)
     state.decided = True
 
-    accs = measured_acceptance(drafters, observations)
+    accs, state.acceptance_seen = recalled_acceptance(
+        measured_acceptance(drafters, observations), state.acceptance_seen, now
+    )
     scores = drafter_scores(view, accs, costs, observations)
     failing = failing_drafters(observations)
     demoted = demotions(

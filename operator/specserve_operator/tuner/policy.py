@@ -26,7 +26,7 @@ MIN_DRAFTS = 50.0
 # streams are over-dispersed, so the i.i.d. extrapolation over-predicts (speculation-research §1.4).
 EXTRAPOLATION_DECAY = 0.97
 PRIOR_ALPHA = 0.6
-RATIO_TTL_S = 3600.0  # = core.DEMOTION_TTL_S: exploration re-measures sooner; after an hour traffic differs
+RATIO_TTL_S = 86400.0  # step-time ratios are the hardware's, not the traffic's: kept a day
 
 
 def expected_tokens(alphas: Sequence[float], k: int) -> float:
@@ -142,7 +142,9 @@ class CalibratedCost:
 
     Plain steps calibrate T(b, 0); speculative steps, at the mean K and batch they ran with, calibrate
     T(b, K>0). A bucket without its own measurement in the window uses the ratio remembered from an
-    earlier one (`remembered`: plain, speculative), else borrows the median ratio of those with one."""
+    earlier one (`remembered`: plain, speculative), else borrows the median ratio of those measured in
+    the window, else of those remembered: a measurement, however old within the memory's TTL, outranks
+    the prior."""
 
     def __init__(
         self,
@@ -159,6 +161,7 @@ class CalibratedCost:
         self.plain_ratio: dict[str, float] = {}
         self.spec_ratio: dict[str, float] = {}
         self.remembered_plain, self.remembered_spec = remembered
+        self.borrowed = spec_excess is not None
         for label, (lo, hi) in self.ranges.items():
             s = stats.get(label)
             batch = (lo + hi) / 2
@@ -175,11 +178,14 @@ class CalibratedCost:
                 mean_k = max(1, round(s.draft_tokens / s.drafts))
                 spec_batch = min(max(s.drafts / s.steps_spec, lo), hi)
                 self.spec_ratio[label] = (s.seconds_spec / s.steps_spec) / prior.step_s(spec_batch, mean_k)
-        self._plain_default = _median(self.plain_ratio.values(), 1.0)
+        self._plain_default = _median(self.plain_ratio.values(), _median(self.remembered_plain.values(), 1.0))
         # Without speculative measurements of its own, a group borrows how much slower than predicted
         # speculative steps ran in sibling groups (same model and GPU, another drafter): the verify
         # overhead belongs to the engine, not to the drafter.
-        self._spec_default = _median(self.spec_ratio.values(), self._plain_default * (spec_excess or 1.0))
+        self._spec_default = _median(
+            self.spec_ratio.values(),
+            _median(self.remembered_spec.values(), self._plain_default * (spec_excess or 1.0)),
+        )
 
     @property
     def spec_excess(self) -> float | None:
@@ -188,8 +194,15 @@ class CalibratedCost:
             return None
         return _median(self.spec_ratio.values(), 1.0) / self._plain_default
 
+    @property
+    def any_spec_measured(self) -> bool:
+        """Whether any speculative step time behind this model was measured (in the window, remembered
+        or borrowed from a sibling drafter): if not, every speculative step time is the prior's."""
+        return bool(self.spec_ratio or self.remembered_spec or self.borrowed)
+
     def measured_spec(self, label: str) -> bool:
-        return label in self.spec_ratio
+        """Whether speculative steps in this bucket were measured, in the window or remembered."""
+        return label in self.spec_ratio or label in self.remembered_spec
 
     def ratio(self, label: str, k: int) -> float:
         # In-window measurement, else the remembered one, else the median of the measured buckets.

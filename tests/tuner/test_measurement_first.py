@@ -1,0 +1,82 @@
+"""Measurement first, prior second: once a drafter and a bucket have been measured, the prior never
+decides for them again while the measurement is remembered, even after it leaves the metrics window."""
+
+from __future__ import annotations
+
+from specserve_operator.tuner import core, observations, policy
+
+NS = "ml"
+
+
+def view_of(spec, pods=("pod-a", "pod-b")) -> core.ResourceView:
+    return core.ResourceView(NS, "llm", spec, tuple(pods))
+
+
+def acceptance(alpha: float, source: str) -> policy.Acceptance:
+    return policy.Acceptance((alpha,) * 4, source, 1000.0 if source != "prior" else 0.0)
+
+
+def test_a_drafter_without_drafts_keeps_its_last_measured_acceptance() -> None:
+    measured = {"a": acceptance(0.3, "measured"), "b": acceptance(0.6, "prior")}
+    accs, memory = core.recalled_acceptance(measured, {}, now=0.0)
+    assert accs == measured and set(memory) == {"a"}
+    # Every bucket off: no drafts in the window, so the measurement stands in, marked as remembered.
+    quiet = {"a": acceptance(0.6, "prior"), "b": acceptance(0.6, "prior")}
+    accs, memory = core.recalled_acceptance(quiet, memory, now=600.0)
+    assert accs["a"].source == "remembered" and accs["a"].alphas == measured["a"].alphas
+    assert accs["b"].source == "prior"  # never measured: the prior stands
+    later = core.ACCEPTANCE_TTL_S + 1
+    accs, memory = core.recalled_acceptance(quiet, memory, now=later)
+    assert accs["a"].source == "prior" and memory == {}
+
+
+def test_an_unmeasured_bucket_borrows_remembered_ratios_before_the_prior(spec_factory) -> None:
+    spec = spec_factory()
+    prior = view_of(spec).prior(spec.drafters[0])
+    bounds = tuple(spec.speculation.batch_buckets)
+    # Nothing speculated in this window; two buckets were measured 8x slower than the prior earlier.
+    cost = policy.CalibratedCost(prior, {}, bounds, remembered=({}, {"4": 8.0, "16": 8.0}))
+    assert cost.ratio("64", 3) == 8.0 and cost.measured_spec("4") and not cost.measured_spec("64")
+    assert policy.CalibratedCost(prior, {}, bounds).ratio("64", 3) == 1.0  # never measured: the prior
+
+
+def _slow_speculation(bucket_load, prior, slow: float) -> dict:
+    return {
+        label: bucket_load(
+            batch=batch,
+            steps_plain=1000,
+            step_s_plain=prior.step_s(batch, 0),
+            steps_spec=1000,
+            step_s_spec=prior.step_s(batch, 3) * slow,
+            k=3,
+        )
+        for label, batch in (("4", 3.0), ("16", 12.0))
+    }
+
+
+def test_speculation_measured_slow_stays_off_after_the_window_forgets_it(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Speculation measured 10x slower than the prior says (a CPU-like truth) is turned off; windows later,
+    with no draft left in the window, neither the K table nor an exploration canary turns it back on
+    from the prior."""
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
+    view = view_of(spec)
+    prior = view.prior(spec.drafters[0])
+    slow = _slow_speculation(bucket_load, prior, slow=10.0)
+    plain = {
+        label: bucket_load(batch=b, steps_plain=1000, step_s_plain=prior.step_s(b, 0))
+        for label, b in (("4", 3.0), ("16", 12.0))
+    }
+    memory = policy.RatioMemory()
+    state = core.ResourceState.initial(spec)
+    state.k_by_bucket = dict.fromkeys(state.k_by_bucket, 3)
+    cooldown = spec.speculation.cooldown_seconds
+    windows = [(0.0, slow)] + [(cooldown * t + 600.0, plain) for t in range(1, 8)]
+    for now, loads in windows:
+        rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
+        snap = observations.build_snapshot(rows, 300.0)
+        d = core.decide(view, snap, state, core.FleetCosts([view], snap, (), memory, now), now)
+        assert not any(d.k_by_bucket.values()), (now, d.reason)
+        assert all(not any(t.k_by_bucket.values()) for t in d.pods.values()), (now, d.reason)
