@@ -150,8 +150,11 @@ def test_a_demoted_drafter_in_force_gives_way_at_once() -> None:
 def test_the_k_table_turns_on_where_speculation_pays_and_finds_the_cliff(spec_factory) -> None:
     spec = spec_factory()
     view = view_of(spec)
-    cost = core.FleetCosts([view], FleetSnapshot(window_s=300.0)).cost(view, spec.drafters[0])
     labels = policy.bucket_labels(spec.speculation.batch_buckets)
+    # Speculative steps measured earlier, as fast as the prior says (remembered ratios of 1).
+    cost = policy.CalibratedCost(
+        view.prior(spec.drafters[0]), {}, spec.speculation.batch_buckets, remembered=({}, {labels[0]: 1.0})
+    )
     off = dict.fromkeys(labels, 0)
     update, cliff = core.k_table(acceptance(0.8), cost, 4, off, {}, spec.speculation, now=0.0)
     assert update.k_by_bucket[labels[0]] > 0 and set(update.flipped) <= set(labels)
@@ -163,6 +166,21 @@ def test_the_k_table_turns_on_where_speculation_pays_and_finds_the_cliff(spec_fa
     # A K above the drafter's maximum is capped first.
     capped, _ = core.k_table(acceptance(0.8), cost, 2, dict.fromkeys(labels, 9), {}, spec.speculation, 0.0)
     assert max(capped.k_by_bucket.values()) <= 2
+
+
+def test_the_prior_alone_turns_nothing_on_fleet_wide_while_a_canary_can_measure(spec_factory) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    never = core.FleetCosts([view], FleetSnapshot(window_s=300.0)).cost(view, spec.drafters[0])
+    assert not never.any_spec_measured
+    off = dict.fromkeys(policy.bucket_labels(spec.speculation.batch_buckets), 0)
+    waiting, _ = core.k_table(acceptance(0.8), never, 4, off, {}, spec.speculation, now=0.0)
+    assert not any(waiting.k_by_bucket.values()) and not waiting.flipped
+    assert waiting.reasons[-1].endswith("wait for a canary's measurement (prior only)")
+    # Without exploration nothing would ever measure it: the prior decides.
+    no_canaries = spec.speculation.model_copy(update={"exploration_share": 0.0})
+    prior_only, _ = core.k_table(acceptance(0.8), never, 4, off, {}, no_canaries, now=0.0)
+    assert any(prior_only.k_by_bucket.values())
 
 
 def test_a_canary_tries_a_drafter_not_measured_for_a_trial_period(

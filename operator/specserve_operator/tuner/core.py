@@ -25,7 +25,7 @@ TRIAL_TICKS = 4
 EXPLORE_TICKS = 2
 # A demotion is reconsidered (the drafter tried again) after this long: traffic changes.
 DEMOTION_TTL_S = 3600.0
-# A drafter's last measured acceptance stands in for the prior this long (as policy.RATIO_TTL_S).
+# A drafter's last measured acceptance stands in for the prior this long: acceptance follows the traffic.
 ACCEPTANCE_TTL_S = 3600.0
 MEASURED_NOW = ("measured", "totals")  # acceptance sources from this window's drafts
 DEFAULT_GPU = "NVIDIA-H100"
