@@ -43,7 +43,7 @@ from specserve_operator.simulator.fleet import (
 )
 from specserve_operator.simulator.traces import Trace, load_trace, scaled, window, write_trace
 from specserve_operator.tuner import core, observations
-from specserve_operator.tuner.loop import FleetController
+from specserve_operator.tuner.loop import FleetController, tune_garbage_collector
 
 ROOT = Path(__file__).resolve().parent
 TRACES = [ROOT / "traces" / "diurnal_24h.csv", ROOT / "traces" / "bursty_6h.csv"]
@@ -368,6 +368,7 @@ def scale() -> dict:
     try:
         assert stub.stdout is not None
         port, size = (int(x) for x in stub.stdout.readline().split())
+        tune_garbage_collector()  # as the operator does at start-up
         cpu = time.process_time()
         tick_s, queries = asyncio.run(_scale_tick(f"http://127.0.0.1:{port}"))
         cpu = time.process_time() - cpu

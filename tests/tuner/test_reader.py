@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -203,3 +205,15 @@ def test_the_reader_leaves_the_garbage_collector_alone(stub_prometheus) -> None:
         server.shutdown()
         server.server_close()
     assert seen == [True] * len(fleet_queries(300))
+
+
+def test_the_operator_tunes_the_collector_once_at_start_up() -> None:
+    """Instead, the operator's start-up freezes what it made and collects generation 0 less often (in a
+    child process: the setting is process-wide). The collector stays on."""
+    script = (
+        "import gc; from specserve_operator.tuner.loop import tune_garbage_collector, GC_GEN0_THRESHOLD; "
+        "tune_garbage_collector(); "
+        "print(gc.isenabled(), gc.get_threshold()[0] == GC_GEN0_THRESHOLD, gc.get_freeze_count() > 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True"]

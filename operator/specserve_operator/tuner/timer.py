@@ -28,7 +28,7 @@ from specserve_operator.kube import KubeApi, KubeError, OwnershipConflict, owner
 from specserve_operator.reconciler import control_secret
 from specserve_operator.render import children as render
 from specserve_operator.tuner import core
-from specserve_operator.tuner.loop import FleetController, ResourceTick
+from specserve_operator.tuner.loop import FleetController, ResourceTick, tune_garbage_collector
 from specserve_operator.tuner.report import status_patch
 
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
@@ -47,6 +47,7 @@ ENGINE_POD_LABELS = {
 
 @kopf.on.startup()
 async def start_controller(memo: kopf.Memo, **_: Any) -> None:
+    tune_garbage_collector()
     memo.controller_http = aiohttp.ClientSession()
     url = os.environ.get("SPECSERVE_PROMETHEUS_URL") or DEFAULT_PROMETHEUS_URL
     window_s = float(os.environ.get("SPECSERVE_METRICS_WINDOW_S", "300"))
