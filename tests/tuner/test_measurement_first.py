@@ -80,3 +80,19 @@ def test_speculation_measured_slow_stays_off_after_the_window_forgets_it(
         d = core.decide(view, snap, state, core.FleetCosts([view], snap, (), memory, now), now)
         assert not any(d.k_by_bucket.values()), (now, d.reason)
         assert all(not any(t.k_by_bucket.values()) for t in d.pods.values()), (now, d.reason)
+
+
+def test_a_pod_first_seen_has_not_switched_drafters(spec_factory, rows_for, bucket_load) -> None:
+    """Pods start speculating with the drafter they were rendered with: the tuner's first look at them is
+    not a drafter switch, so their speculative steps calibrate the step times at once."""
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})  # one drafter: no trial canary
+    view = view_of(spec)
+    prior = view.prior(spec.drafters[0])
+    loads = _slow_speculation(bucket_load, prior, slow=10.0)
+    rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
+    snap = observations.build_snapshot(rows, 300.0)
+    state = core.ResourceState.initial(spec)
+    d = core.decide(view, snap, state, core.FleetCosts([view], snap), 30.0)
+    assert state.switched_pods(60.0, 300.0) == set()
+    assert d.k_by_bucket["4"] == 0 and d.k_by_bucket["16"] == 0, d.reason  # measured 10x slow: off

@@ -25,6 +25,7 @@ import numpy as np
 
 from specserve_engine.buckets import DEFAULT_BUCKETS, bucket_labels
 from specserve_operator.api.models import DrafterSpec, SpeculativeServingSpec
+from specserve_operator.render.children import initial_policy
 from specserve_operator.simulator import truths
 from specserve_operator.simulator.baselines import BucketBandit, EmaTiers, StaticTable
 from specserve_operator.simulator.traces import Trace
@@ -265,6 +266,12 @@ class FleetSim:
         self.bandit = BucketBandit(self.nb, int(self.k_cap[cfg.baseline_drafter]))
         # The specserve fleet's counters, cumulative, as a Prometheus target would export them.
         self.spec_rows = self._rows_of("specserve")
+        # specserve's pods start as the operator renders them (render.children.initial_policy).
+        start = initial_policy(cfg.resource_spec())
+        self.drafter[self.spec_rows] = [d.spec.name for d in cfg.drafters].index(start.drafter)
+        self.ktab[self.spec_rows] = [
+            start.k_by_bucket.get(label, 0) if start.mode == "on" else 0 for label in self.labels
+        ]
         ns, mk = len(self.spec_rows), self.max_k
         self.c_steps = np.zeros((ns, self.nb, 2))
         self.c_secs = np.zeros((ns, self.nb, 2))
@@ -365,6 +372,8 @@ class FleetSim:
         res.decisions[decision.action] = res.decisions.get(decision.action, 0) + 1
         if decision.changed:
             self.decisions.append((now, decision))
+        if not decision.push:
+            return  # nothing decided on metrics yet: the pods keep what they started with
         for i, pod in enumerate(self.pod_names):
             target = decision.pods[pod]
             row = self.spec_rows[i]

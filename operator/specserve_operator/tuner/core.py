@@ -831,13 +831,19 @@ def _finish(
         state.policy_version += 1
     mode = "off" if view.spec.speculation.mode == "off" else "on"
     pods: dict[str, PodTarget] = {}
+    # A pod seen for the first time runs the drafter it reports since before the window: only a change
+    # of drafter from here on mixes two drafters in its step counters.
+    reported = {o.pod: o.drafter for o in observations}
     for pod in view.pods:
         if state.canary is not None and state.canary.pod == pod:
             pods[pod] = PodTarget(state.canary.drafter, mode, dict(state.canary.k_by_bucket))
         else:
             pods[pod] = PodTarget(state.drafter, mode, dict(state.k_by_bucket))
-        if state.pod_drafter.get(pod, ("", 0.0))[0] != pods[pod].drafter:
-            state.pod_drafter[pod] = (pods[pod].drafter, now)
+        running = state.pod_drafter.get(pod)
+        if running is None and reported.get(pod) is not None:
+            running = (reported[pod], -math.inf)
+        if running is not None:
+            state.pod_drafter[pod] = running if running[0] == pods[pod].drafter else (pods[pod].drafter, now)
     for pod in set(state.pod_drafter) - set(view.pods):
         del state.pod_drafter[pod]
     fleet = BucketStats()
