@@ -38,20 +38,25 @@ POSITION = "position"
 
 # --- engine (vLLM stat-logger plugin), one observation per engine step -------------------------------
 # Counters are declared without the `_total` suffix, as prometheus_client wants them.
+# `drafter` names the drafter in force for speculative steps (empty for plain steps), so a pod that
+# switched drafters inside a window still gives each drafter's step times.
 ENGINE_STEPS = Metric(
-    "specserve_engine_steps", "counter", (MODEL, BUCKET, SPECULATING), "Engine steps by batch-size bucket."
+    "specserve_engine_steps",
+    "counter",
+    (MODEL, BUCKET, SPECULATING, DRAFTER),
+    "Engine steps by batch-size bucket (and drafter, for speculative steps).",
 )
 ENGINE_STEP_SECONDS = Metric(
     "specserve_engine_step_seconds",
     "counter",
-    (MODEL, BUCKET, SPECULATING),
-    "Wall time of engine steps by batch-size bucket.",
+    (MODEL, BUCKET, SPECULATING, DRAFTER),
+    "Wall time of engine steps by batch-size bucket (and drafter, for speculative steps).",
 )
 ENGINE_GENERATED_TOKENS = Metric(
     "specserve_engine_generated_tokens",
     "counter",
-    (MODEL, BUCKET, SPECULATING),
-    "Output tokens produced by engine steps by batch-size bucket.",
+    (MODEL, BUCKET, SPECULATING, DRAFTER),
+    "Output tokens produced by engine steps by batch-size bucket (and drafter, for speculative steps).",
 )
 SPEC_DRAFTS = Metric(
     "specserve_spec_drafts", "counter", (MODEL, BUCKET, DRAFTER), "Requests whose drafts were verified."

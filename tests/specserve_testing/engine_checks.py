@@ -153,8 +153,10 @@ def _check_exact(engine: RunningEngine, steps: list[dict], before: dict, after: 
     drafter = engine.drafter.name
     for bucket in buckets:
         for speculating in ("true", "false"):
+            # Speculative steps carry the drafter in force, plain steps none.
+            step_drafter = drafter if speculating == "true" else ""
             for metric in (metric_names.ENGINE_STEPS, metric_names.ENGINE_GENERATED_TOKENS):
-                got = delta(metric.name, bucket=bucket, speculating=speculating)
+                got = delta(metric.name, bucket=bucket, speculating=speculating, drafter=step_drafter)
                 assert got == expect[(metric.name, bucket, speculating)], (metric.name, bucket, speculating)
             seconds = delta(metric_names.ENGINE_STEP_SECONDS.name, bucket=bucket, speculating=speculating)
             assert (seconds > 0) == (expect[(metric_names.ENGINE_STEPS.name, bucket, speculating)] > 0)

@@ -6,9 +6,10 @@ vLLM calls `record()` in the API server once per engine-core message; a step's m
 spec-decoding stats of the drafts verified in that same step. Steps without iteration details (idle
 messages, DP dummies) are not engine steps and are not counted.
 
-`speculating` is "true" for a step that verified at least one draft token. Drafts are labelled with the
-colocated drafter's name (from --additional-config) or, for sidecar-hosted drafters, the drafter named
-by the policy file at the time of the step.
+`speculating` is "true" for a step that verified at least one draft token. Drafts, and the step counters
+of speculative steps, are labelled with the colocated drafter's name (from --additional-config) or, for
+sidecar-hosted drafters, the drafter named by the policy file at the time of the step; plain steps carry
+an empty `drafter`.
 
 It also registers the collector of the sidecar proposer's step outcomes (`specserve_proposer_calls_total`,
 counted by the proposer in the worker processes, see proposer.py), read from the runtime dir at scrape.
@@ -122,13 +123,14 @@ class SpecserveStatLogger(StatLoggerBase):
         if step is None:
             return
         c = self._counters
-        engine_labels = (self._model, step.bucket, "true" if step.speculating else "false")
+        drafter = self._drafter() if step.speculating else ""
+        engine_labels = (self._model, step.bucket, "true" if step.speculating else "false", drafter)
         c.steps.labels(*engine_labels).inc()
         c.step_seconds.labels(*engine_labels).inc(step.seconds)
         c.generated_tokens.labels(*engine_labels).inc(step.generated_tokens)
         if step.drafts == 0:
             return
-        spec_labels = (self._model, step.bucket, self._drafter())
+        spec_labels = (self._model, step.bucket, drafter)
         c.drafts.labels(*spec_labels).inc(step.drafts)
         c.draft_tokens.labels(*spec_labels).inc(step.draft_tokens)
         c.accepted_tokens.labels(*spec_labels).inc(step.accepted_tokens)

@@ -273,9 +273,10 @@ class FleetSim:
             start.k_by_bucket.get(label, 0) if start.mode == "on" else 0 for label in self.labels
         ]
         ns, mk = len(self.spec_rows), self.max_k
-        self.c_steps = np.zeros((ns, self.nb, 2))
-        self.c_secs = np.zeros((ns, self.nb, 2))
-        self.c_tokens = np.zeros((ns, self.nb, 2))
+        # Step counters per pod, drafter in force, bucket and plain/speculative (as the engine labels them).
+        self.c_steps = np.zeros((ns, nd, self.nb, 2))
+        self.c_secs = np.zeros((ns, nd, self.nb, 2))
+        self.c_tokens = np.zeros((ns, nd, self.nb, 2))
         self.c_drafts = np.zeros((ns, nd, self.nb))
         self.c_dtok = np.zeros((ns, nd, self.nb))
         self.c_acc = np.zeros((ns, nd, self.nb))
@@ -332,12 +333,17 @@ class FleetSim:
             )
             rows.append((observations.RUNNING, base, float(self.running[i])))
             for b, label in enumerate(self.labels):
-                for s, flag in ((0, "false"), (1, "true")):
-                    if steps[i, b, s] > 0:
-                        lab = {**base, "bucket": label, "speculating": flag}
-                        rows.append((observations.STEPS, lab, steps[i, b, s]))
-                        rows.append((observations.STEP_SECONDS, lab, secs[i, b, s]))
-                        rows.append((observations.TOKENS, lab, tokens[i, b, s]))
+                if steps[i, :, b, 0].sum() > 0:  # plain steps carry no drafter
+                    lab = {**base, "bucket": label, "speculating": "false", "drafter": ""}
+                    rows.append((observations.STEPS, lab, steps[i, :, b, 0].sum()))
+                    rows.append((observations.STEP_SECONDS, lab, secs[i, :, b, 0].sum()))
+                    rows.append((observations.TOKENS, lab, tokens[i, :, b, 0].sum()))
+                for j, name in enumerate(self.names):
+                    if steps[i, j, b, 1] > 0:
+                        lab = {**base, "bucket": label, "speculating": "true", "drafter": name}
+                        rows.append((observations.STEPS, lab, steps[i, j, b, 1]))
+                        rows.append((observations.STEP_SECONDS, lab, secs[i, j, b, 1]))
+                        rows.append((observations.TOKENS, lab, tokens[i, j, b, 1]))
                 for j, name in enumerate(self.names):
                     if drafts[i, j, b] <= 0:
                         continue
@@ -632,9 +638,10 @@ class FleetSim:
         r = rows[i]
         bi, kk = bidx[r], k[r]
         spec = (kk > 0).astype(np.int64)
-        np.add.at(self.c_steps, (i, bi, spec), steps[r])
-        np.add.at(self.c_secs, (i, bi, spec), decode[r])
-        np.add.at(self.c_tokens, (i, bi, spec), row_tokens[r])
+        di = d[r]
+        np.add.at(self.c_steps, (i, di, bi, spec), steps[r])
+        np.add.at(self.c_secs, (i, di, bi, spec), decode[r])
+        np.add.at(self.c_tokens, (i, di, bi, spec), row_tokens[r])
         # Slots of specserve pods that drafted: where in the counters each lands.
         first = rows[0]
         sel = (r_act >= first) & (r_act < first + len(rows)) & (k[r_act] > 0)

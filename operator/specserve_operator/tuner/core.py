@@ -125,8 +125,9 @@ class ResourceState:
     acceptance_seen: dict[str, tuple[policy.Acceptance, float]] = field(default_factory=dict)
 
     def switched_pods(self, now: float, window_s: float) -> set[str]:
-        """Pods whose drafter changed within the metrics window: their speculative step times mix two
-        drafters (the engine's step counters carry no drafter label), so calibration skips them."""
+        """Pods whose drafter changed within the metrics window: where the engine's step counters carry
+        no drafter label (an engine from before it), their speculative step times mix two drafters and
+        calibration skips them."""
         return {pod for pod, (_, since) in self.pod_drafter.items() if now - since < window_s}
 
     @classmethod
@@ -265,24 +266,47 @@ class FleetCosts:
     def _pod_stats(
         view: ResourceView, snapshot: FleetSnapshot, mixed_pods: set[tuple[str, str]]
     ) -> list[tuple[tuple, dict[str, BucketStats]]]:
-        """Each pod's bucket counters with its cost group; a pod whose drafter changed within the window
-        (`mixed_pods`) contributes its plain steps only."""
+        """Each pod's bucket counters with their cost groups. Speculative steps labelled with their
+        drafter go to that drafter's group, whatever the pod ran before or after in the window; plain
+        steps go to the group of the drafter in force. Without drafter labels on step counters (an engine
+        from before they were added), a pod whose drafter changed within the window (`mixed_pods`)
+        contributes its plain steps only: its speculative steps mix two drafters. Everything is copied
+        here, so that whatever a pod's data raises is raised before anything is pooled."""
         by_name = {d.name: d for d in view.spec.drafters}
         out = []
         for pod in view.pods:
             obs = snapshot.pods.get((view.namespace, pod))
             if obs is None or obs.drafter not in by_name:
                 continue
-            plain_only = (view.namespace, pod) in mixed_pods
+            labelled = {
+                name: buckets
+                for name, buckets in obs.by_drafter.items()
+                if any(b.steps_spec > 0 for b in buckets.values())
+            }
+            plain_only = bool(labelled) or (view.namespace, pod) in mixed_pods
             stats: dict[str, BucketStats] = {}
             for label, s in obs.buckets.items():
-                # Copied here, so that whatever a pod's data raises is raised before anything is pooled.
                 if plain_only:
                     stats[label] = BucketStats(s.steps_plain, s.seconds_plain, s.tokens_plain)
                 else:
                     stats[label] = BucketStats()
                     stats[label].add(s)
             out.append((view.cost_group(by_name[obs.drafter]), stats))
+            for name, buckets in labelled.items():
+                if name not in by_name:
+                    continue
+                spec = {
+                    label: BucketStats(
+                        steps_spec=b.steps_spec,
+                        seconds_spec=b.seconds_spec,
+                        tokens_spec=b.tokens_spec,
+                        drafts=b.drafts,
+                        draft_tokens=b.draft_tokens,
+                    )
+                    for label, b in buckets.items()
+                    if b.steps_spec > 0
+                }
+                out.append((view.cost_group(by_name[name]), spec))
         return out
 
     def cost(self, view: ResourceView, drafter: DrafterSpec) -> policy.CalibratedCost:

@@ -225,9 +225,14 @@ def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
 def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) -> None:
     bucket = labels.get("bucket", "")
     if kind in _ENGINE_KINDS:
-        b = obs.bucket(bucket)
-        attr = _ENGINE_KINDS[kind] + ("_spec" if labels.get("speculating") == "true" else "_plain")
-        setattr(b, attr, getattr(b, attr) + value)
+        spec = labels.get("speculating") == "true"
+        attr = _ENGINE_KINDS[kind] + ("_spec" if spec else "_plain")
+        targets = [obs.bucket(bucket)]
+        if spec and labels.get("drafter"):
+            # Speculative steps of one drafter: its step times, even on a pod that switched drafters.
+            targets.append(obs.by_drafter.setdefault(labels["drafter"], {}).setdefault(bucket, BucketStats()))
+        for b in targets:
+            setattr(b, attr, getattr(b, attr) + value)
     elif kind in _SPEC_KINDS:
         # Folded per drafter only; the bucket's totals are summed from the drafters that pass _check.
         obs.bucket(bucket)
@@ -266,26 +271,10 @@ def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
     """Validate what was folded for one pod, in place: rows that are each plausible can still contradict
     each other, and only once folded is a bucket's whole story known."""
     for b in obs.buckets.values():
-        for side in ("plain", "spec"):
-            steps, seconds = getattr(b, f"steps_{side}"), getattr(b, f"seconds_{side}")
-            if steps == seconds == 0:
-                continue
-            # Steps that took no time (or next to none) would be infinitely fast and divide by zero
-            # downstream; time without steps is a step-seconds series without its step counter.
-            if steps == 0:
-                reason: str | None = DROP_INCONSISTENT
-            elif seconds < steps * MIN_STEP_S:
-                reason = DROP_ZERO_DURATION
-            elif seconds > steps * MAX_STEP_S:
-                reason = DROP_IMPLAUSIBLE
-            else:
-                reason = None
-            if reason is not None:
-                snap.drop(reason)
-                for attr in ("steps", "seconds", "tokens"):
-                    setattr(b, f"{attr}_{side}", 0.0)
+        _check_steps(b, snap)
     for buckets in obs.by_drafter.values():
         for label, b in buckets.items():
+            _check_steps(b, snap)
             if _spec_contradiction(b):
                 snap.drop(DROP_INCONSISTENT)
                 b.drafts = b.draft_tokens = b.accepted = 0.0
@@ -300,6 +289,28 @@ def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
     if obs.fallback is not None and _spec_contradiction(obs.fallback):
         snap.drop(DROP_INCONSISTENT)
         obs.fallback = None
+
+
+def _check_steps(b: BucketStats, snap: FleetSnapshot) -> None:
+    """Drop a bucket's plain or speculative step counters where they cannot be true."""
+    for side in ("plain", "spec"):
+        steps, seconds = getattr(b, f"steps_{side}"), getattr(b, f"seconds_{side}")
+        if steps == seconds == 0:
+            continue
+        # Steps that took no time (or next to none) would be infinitely fast and divide by zero
+        # downstream; time without steps is a step-seconds series without its step counter.
+        if steps == 0:
+            reason: str | None = DROP_INCONSISTENT
+        elif seconds < steps * MIN_STEP_S:
+            reason = DROP_ZERO_DURATION
+        elif seconds > steps * MAX_STEP_S:
+            reason = DROP_IMPLAUSIBLE
+        else:
+            reason = None
+        if reason is not None:
+            snap.drop(reason)
+            for attr in ("steps", "seconds", "tokens"):
+                setattr(b, f"{attr}_{side}", 0.0)
 
 
 def _spec_contradiction(b: BucketStats) -> bool:
