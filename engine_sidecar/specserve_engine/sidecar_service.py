@@ -164,6 +164,10 @@ class SidecarService:
         self._consecutive_errors = dict.fromkeys(self.drafters, 0)
         self._error_logged_at: dict[str, float] = {}
         self._errors_since_log = dict.fromkeys(self.drafters, 0)
+        # Each hosted drafter's error series exists from the start, at 0: a burst of failures between two
+        # scrapes must show as an increase, not as a new series whose first sample is already 10.
+        for name in self.drafters:
+            self.metrics.drafter_errors.labels(name)
         self.warm = False
         self.engine_reachable = False
         self.pending: PolicyRequest | None = None

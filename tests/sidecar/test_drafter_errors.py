@@ -43,6 +43,12 @@ def drafter_status(service: SidecarService, name: str) -> tuple[str, str | None]
     return entry.status, entry.error
 
 
+def test_every_hosted_drafters_error_series_starts_at_zero(service: SidecarService) -> None:
+    """Ten failures between two scrapes must read as an increase of ten, not as a new series at ten."""
+    for name in service.drafters:
+        assert sample(service, "specserve_sidecar_drafter_errors_total", {"drafter": name}) == 0.0
+
+
 async def test_a_raising_drafter_is_counted_logged_once_then_marked_failed(
     service: SidecarService,
     make_policy: Callable[..., PolicyRequest],

@@ -63,13 +63,30 @@ def test_demotions_step_on_its_own(spec_factory) -> None:
     spec = spec_factory()
     drafters = {d.name: d for d in spec.drafters}
     accs = core.measured_acceptance(drafters, [])
-    out = core.demotions(drafters, accs, {}, {}, spec.speculation, now=10.0, failing={"ngram": 4.0})
+    failing = {"ngram": "4 failed draft calls and no accepted draft in the window"}
+    out = core.demotions(drafters, accs, {}, {}, spec.speculation, now=10.0, failing=failing)
     assert out.demoted == {"ngram": 10.0} and out.notes == [
         "demoted ngram: 4 failed draft calls and no accepted draft in the window"
     ]
     # Reconsidered after the demotion's time to live, like any other.
     later = core.demotions(drafters, accs, out.demoted, {}, spec.speculation, now=10.0 + core.DEMOTION_TTL_S)
     assert later.demoted == {}
+
+
+def test_a_drafter_its_sidecar_reports_failed_is_demoted_though_no_error_was_counted(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Ten failures between two scrapes, then the sidecar stops calling the drafter: the error counter's
+    increase can read 0, but the policy-info metric says the drafter failed."""
+    view, rows = _fleet(spec_factory, rows_for, bucket_load, "draft", alphas=(0.8,) * 8)
+    rows = [r for r in rows if r[0] != observations.POLICY_INFO]
+    for pod in PODS:
+        labels = {"namespace": NS, "pod": pod, "drafter": "draft", "mode": "on", "policy_version": "1"}
+        rows.append((observations.POLICY_INFO, {**labels, "drafter_status": "failed"}, 1.0))
+    snap = observations.build_snapshot(rows, 300.0)
+    d = core.decide(view, snap, core.ResourceState.initial(view.spec), core.FleetCosts([view], snap), 0.0)
+    assert "draft" in d.demoted and d.drafter == "ngram"
+    assert "demoted draft: its sidecar on pod pod-a reports it failed" in d.reason
 
 
 def test_the_reader_asks_for_the_sidecars_error_counter() -> None:

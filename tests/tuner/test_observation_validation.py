@@ -79,8 +79,9 @@ def test_negative_counter_increases_are_dropped(spec_factory, rows_for, bucket_l
     negative = replaced(rows, observations.STEP_SECONDS, "pod-a", "64", -5.0)
     snap = build_snapshot(negative, 300.0)
     assert snap.dropped[observations.DROP_NEGATIVE] == 1
-    # Dropping the seconds leaves steps without time: that side of the bucket goes too.
-    assert snap.dropped[observations.DROP_ZERO_DURATION] == 1
+    # The refused seconds take that side of the bucket's steps and tokens with them (not then read as
+    # steps that took no time).
+    assert observations.DROP_ZERO_DURATION not in snap.dropped
     assert snap.pods[(NS, "pod-a")].buckets["64"].steps_plain == 0.0
     decide_and_report(spec, negative)
 
@@ -200,3 +201,31 @@ def test_the_largest_speculative_k_is_the_crds() -> None:
 
     bounds = [m.le for m in DrafterSpec.model_fields["max_speculative_tokens"].metadata if hasattr(m, "le")]
     assert bounds == [observations.MAX_SPECULATIVE_TOKENS]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -5.0])
+def test_a_refused_counter_takes_its_siblings_with_it(spec_factory, rows_for, bucket_load, bad) -> None:
+    """+Inf (or negative) accepted tokens on every pod: the buckets' drafts must not then read as drafts
+    of which none was accepted (that turned speculation off everywhere); they read as not measured, the
+    K table stays, and the resource says its metrics were refused."""
+    spec = spec_factory()
+    view = view_of(spec)
+    loads = loads_of(bucket_load, view.prior(spec.drafters[0]))
+    good = fleet_rows(rows_for, loads, alphas=(0.8,) * 8)
+    bad_rows = replaced(
+        replaced(good, observations.ACCEPTED, "pod-a", "4", bad), observations.ACCEPTED, "pod-b", "4", bad
+    )
+    state = core.ResourceState.initial(spec)
+    first = core.decide(
+        view, build_snapshot(good, 300.0), state, core.FleetCosts([view], build_snapshot(good, 300.0)), 0.0
+    )
+    snap = build_snapshot(bad_rows, 300.0)
+    for pod in PODS:
+        obs = snap.pods[(NS, pod)]
+        assert obs.dropped == 1 and obs.by_drafter["draft"]["4"].drafts == 0.0
+    d = core.decide(view, snap, state, core.FleetCosts([view], snap), 60.0)
+    assert d.k_by_bucket["4"] == first.k_by_bucket["4"] > 0, d.reason
+    assert core.INVALID_METRICS in d.warnings
+    patch = status_patch(ResourceTick(d), view, {}, datetime.now(UTC))
+    available = next(c for c in patch["conditions"] if c["type"] == "MetricsAvailable")
+    assert (available["status"], available["reason"]) == ("False", core.INVALID_METRICS)

@@ -34,6 +34,7 @@ METRICS_MISSING = "MetricsMissing"  # no pod of the resource has engine metrics 
 PARTIAL_DATA = "PartialData"  # some pods have no engine metrics: the policy in force stays
 UNKNOWN_GPU = "UnknownGpu"  # engine.gpu.product is not in the cost model's table: a generic prior
 DRAFTER_ERRORS = "DrafterErrors"  # a drafter's sidecar calls failed in the window
+INVALID_METRICS = "InvalidMetrics"  # values read for the resource's pods were refused (observations.py)
 
 
 def live_switchable(drafter: DrafterSpec, engine_drafter: str | None) -> bool:
@@ -467,9 +468,10 @@ class Demotions:
     notes: list[str]
 
 
-def failing_drafters(observations: list[PodObservation]) -> dict[str, float]:
-    """Drafters whose sidecar calls failed in the window (the sidecars' error counter) and that had not a
-    single draft token accepted on any of the resource's pods: drafter → failed calls."""
+def failing_drafters(observations: list[PodObservation]) -> dict[str, str]:
+    """Drafters that are broken, not unlucky, → why: those a sidecar reports failed (it stopped calling
+    them after failures in a row), and those whose sidecar calls failed in the window (the sidecars'
+    error counter) without a single draft token accepted on any of the resource's pods."""
     errors: dict[str, float] = {}
     for obs in observations:
         for name, n in obs.drafter_errors.items():
@@ -479,7 +481,13 @@ def failing_drafters(observations: list[PodObservation]) -> dict[str, float]:
         for name, buckets in obs.by_drafter.items():
             if name in errors and any(b.accepted > 0 for b in buckets.values()):
                 del errors[name]
-    return errors
+    why = {
+        name: f"{n:g} failed draft calls and no accepted draft in the window" for name, n in errors.items()
+    }
+    for obs in observations:
+        for name in sorted(obs.failed_drafters):
+            why.setdefault(name, f"its sidecar on pod {obs.pod} reports it failed")
+    return why
 
 
 def demotions(
@@ -500,11 +508,11 @@ def demotions(
     notes: list[str] = []
     for name, d in drafters.items():
         acc = accs[name]
-        failed = (failing or {}).get(name, 0.0)
-        if name not in demoted and failed > 0:
+        failed = (failing or {}).get(name)
+        if name not in demoted and failed is not None:
             demoted[name] = now
             under.pop(name, None)
-            notes.append(f"demoted {name}: {failed:g} failed draft calls and no accepted draft in the window")
+            notes.append(f"demoted {name}: {failed}")
             continue
         if acc.source not in MEASURED_NOW or name in demoted:
             continue
@@ -773,8 +781,14 @@ def decide(
     action = action_name(old, new, rollout, bool(demoted.notes), every_drafter_demoted)
     warnings = {}
     if failing:
-        calls = ", ".join(f"{name}: {n:g}" for name, n in sorted(failing.items()))
-        warnings[DRAFTER_ERRORS] = f"failed draft calls and no accepted draft in the window ({calls})"
+        warnings[DRAFTER_ERRORS] = "; ".join(f"{name}: {why}" for name, why in sorted(failing.items()))
+    refused = {o.pod: o.dropped for o in observations if o.dropped}
+    if refused:
+        counts = ", ".join(f"{pod}: {n}" for pod, n in sorted(refused.items()))
+        warnings[INVALID_METRICS] = (
+            f"values read from Prometheus refused as invalid ({counts}); decided without them "
+            "and the counters they belong with"
+        )
     changed = policy_changed(old, new, every_drafter_demoted)
     outcome = Outcome(action, reason, changed, rollout, scores, warnings=warnings)
     return _finish(view, state, observations, outcome, now)

@@ -117,6 +117,8 @@ class PodObservation:
     # Spec counters split by the drafter that made the drafts (a canary pod may have run two).
     by_drafter: dict[str, dict[str, BucketStats]] = field(default_factory=dict)
     drafter_errors: dict[str, float] = field(default_factory=dict)  # drafter → failed draft calls
+    failed_drafters: set[str] = field(default_factory=set)  # drafters the sidecar reports failed
+    dropped: int = 0  # this pod's values refused as invalid (counted in the snapshot's `dropped` too)
 
     def bucket(self, label: str) -> BucketStats:
         return self.buckets.setdefault(label, BucketStats())
@@ -182,10 +184,18 @@ def build_snapshot(rows: Iterable[Row], window_s: float) -> FleetSnapshot:
     row or bucket left out is counted in `snapshot.dropped` by reason."""
     snap = FleetSnapshot(window_s=window_s)
     pods = snap.pods
+    # Counters that lost a sibling row: a bucket whose accepted tokens were refused must not read as
+    # drafts with nothing accepted, so its other counters of the same kind go too.
+    tainted: set[tuple] = set()
     for kind, labels, value in rows:
         reason = _row_problem(kind, labels, value)
         if reason is not None:
             snap.drop(reason)
+            if labels.get("namespace") and labels.get("pod"):
+                key = (labels["namespace"], labels["pod"])
+                obs = pods.get(key) or pods.setdefault(key, PodObservation(*key))
+                obs.dropped += 1
+                tainted.add(_taint(kind, labels))
             continue
         key = (labels["namespace"], labels["pod"])
         obs = pods.get(key)
@@ -193,10 +203,47 @@ def build_snapshot(rows: Iterable[Row], window_s: float) -> FleetSnapshot:
             obs = pods[key] = PodObservation(*key)
         _fold(obs, kind, labels, value)
     for obs in pods.values():
+        _untaint(obs, tainted)
         _check(obs, snap)
         if obs.drafter is None and len(obs.by_drafter) == 1:
             obs.drafter = next(iter(obs.by_drafter))
     return snap
+
+
+def _taint(kind: str, labels: dict[str, str]) -> tuple:
+    """What a refused row leaves without its sibling counters: a (pod, bucket, side) of step counters, a
+    (pod, drafter, bucket) of draft counters, or a (pod, drafter) of per-position counters."""
+    pod = (labels.get("namespace"), labels.get("pod"))
+    if kind in _ENGINE_KINDS:
+        return ("steps", *pod, labels.get("bucket", ""), labels.get("speculating") == "true")
+    if kind in _SPEC_KINDS:
+        return ("drafts", *pod, labels.get("drafter", ""), labels.get("bucket", ""))
+    if kind in _POSITION_KINDS:
+        return ("positions", *pod, labels.get("drafter", ""))
+    return ("other", *pod)
+
+
+def _untaint(obs: PodObservation, tainted: set[tuple]) -> None:
+    """Clear the counters whose sibling rows were refused (see _taint)."""
+    pod = (obs.namespace, obs.pod)
+    for taint in tainted:
+        what, where = taint[0], taint[1:3]
+        if where != pod:
+            continue
+        if what == "steps":
+            bucket, spec = taint[3], taint[4]
+            side = "spec" if spec else "plain"
+            stats = [obs.buckets.get(bucket)] + [b.get(bucket) for b in obs.by_drafter.values()]
+            for b in (s for s in stats if s is not None):
+                for attr in ("steps", "seconds", "tokens"):
+                    setattr(b, f"{attr}_{side}", 0.0)
+        elif what == "drafts":
+            b = obs.by_drafter.get(taint[3], {}).get(taint[4])
+            if b is not None:
+                b.drafts = b.draft_tokens = b.accepted = 0.0
+        elif what == "positions":
+            for b in obs.by_drafter.get(taint[3], {}).values():
+                b.accepted_pos, b.proposed_pos = {}, {}
 
 
 def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
@@ -247,6 +294,8 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
         target[pos] = target.get(pos, 0.0) + value
     elif kind == POLICY_INFO:
         if value > 0:
+            if labels.get("drafter_status") == "failed" and labels.get("drafter"):
+                obs.failed_drafters.add(labels["drafter"])
             obs.drafter = labels.get("drafter") or obs.drafter
             obs.mode = labels.get("mode") or obs.mode
             version = labels.get("policy_version", "")
@@ -271,15 +320,17 @@ def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
     """Validate what was folded for one pod, in place: rows that are each plausible can still contradict
     each other, and only once folded is a bucket's whole story known."""
     for b in obs.buckets.values():
-        _check_steps(b, snap)
+        obs.dropped += _check_steps(b, snap)
     for buckets in obs.by_drafter.values():
         for label, b in buckets.items():
-            _check_steps(b, snap)
+            obs.dropped += _check_steps(b, snap)
             if _spec_contradiction(b):
                 snap.drop(DROP_INCONSISTENT)
+                obs.dropped += 1
                 b.drafts = b.draft_tokens = b.accepted = 0.0
             if _positions_contradiction(b):
                 snap.drop(DROP_INCONSISTENT)
+                obs.dropped += 1
                 b.accepted_pos, b.proposed_pos = {}, {}
             if label in obs.buckets:
                 total = obs.buckets[label]
@@ -288,11 +339,13 @@ def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
                 total.accepted += b.accepted
     if obs.fallback is not None and _spec_contradiction(obs.fallback):
         snap.drop(DROP_INCONSISTENT)
+        obs.dropped += 1
         obs.fallback = None
 
 
-def _check_steps(b: BucketStats, snap: FleetSnapshot) -> None:
-    """Drop a bucket's plain or speculative step counters where they cannot be true."""
+def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
+    """Drop a bucket's plain or speculative step counters where they cannot be true; how many sides."""
+    dropped = 0
     for side in ("plain", "spec"):
         steps, seconds = getattr(b, f"steps_{side}"), getattr(b, f"seconds_{side}")
         if steps == seconds == 0:
@@ -309,8 +362,10 @@ def _check_steps(b: BucketStats, snap: FleetSnapshot) -> None:
             reason = None
         if reason is not None:
             snap.drop(reason)
+            dropped += 1
             for attr in ("steps", "seconds", "tokens"):
                 setattr(b, f"{attr}_{side}", 0.0)
+    return dropped
 
 
 def _spec_contradiction(b: BucketStats) -> bool:

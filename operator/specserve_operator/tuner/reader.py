@@ -83,7 +83,8 @@ def state_query() -> str:
     parts = [
         _tagged(
             observations.POLICY_INFO,
-            f"max by ({POD}, drafter, mode, policy_version) ({metric_names.SIDECAR_POLICY_INFO.name})",
+            f"max by ({POD}, drafter, mode, policy_version, drafter_status) "
+            f"({metric_names.SIDECAR_POLICY_INFO.name})",
         ),
         _tagged(observations.RUNNING, f"sum by ({POD}) ({metric_names.VLLM_REQUESTS_RUNNING})"),
         _tagged(observations.GPU_UTIL, f"avg by ({POD}) ({metric_names.DCGM_GPU_UTIL})"),

@@ -45,6 +45,9 @@ def status_patch(
     if d.action == "noData":
         reason = core.METRICS_MISSING if core.METRICS_MISSING in d.warnings else core.PARTIAL_DATA
         conditions.append(resource_status.condition(METRICS_AVAILABLE, False, reason, d.reason[:1000]))
+    elif core.INVALID_METRICS in d.warnings:
+        message = d.warnings[core.INVALID_METRICS][:1000]
+        conditions.append(resource_status.condition(METRICS_AVAILABLE, False, core.INVALID_METRICS, message))
     else:
         conditions.append(
             resource_status.condition(METRICS_AVAILABLE, True, "Read", f"{len(view.pods)} pods")
