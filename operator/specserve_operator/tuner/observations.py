@@ -186,7 +186,7 @@ def build_snapshot(rows: Iterable[Row], window_s: float) -> FleetSnapshot:
     pods = snap.pods
     # Counters that lost a sibling row: a bucket whose accepted tokens were refused must not read as
     # drafts with nothing accepted, so its other counters of the same kind go too.
-    tainted: set[tuple] = set()
+    tainted: dict[tuple[str, str], set[tuple]] = {}  # pod → what its refused rows leave incomplete
     for kind, labels, value in rows:
         reason = _row_problem(kind, labels, value)
         if reason is not None:
@@ -195,15 +195,15 @@ def build_snapshot(rows: Iterable[Row], window_s: float) -> FleetSnapshot:
                 key = (labels["namespace"], labels["pod"])
                 obs = pods.get(key) or pods.setdefault(key, PodObservation(*key))
                 obs.dropped += 1
-                tainted.add(_taint(kind, labels))
+                tainted.setdefault(key, set()).add(_taint(kind, labels))
             continue
         key = (labels["namespace"], labels["pod"])
         obs = pods.get(key)
         if obs is None:
             obs = pods[key] = PodObservation(*key)
         _fold(obs, kind, labels, value)
-    for obs in pods.values():
-        _untaint(obs, tainted)
+    for key, obs in pods.items():
+        _untaint(obs, tainted.get(key, ()))
         _check(obs, snap)
         if obs.drafter is None and len(obs.by_drafter) == 1:
             obs.drafter = next(iter(obs.by_drafter))
@@ -211,38 +211,34 @@ def build_snapshot(rows: Iterable[Row], window_s: float) -> FleetSnapshot:
 
 
 def _taint(kind: str, labels: dict[str, str]) -> tuple:
-    """What a refused row leaves without its sibling counters: a (pod, bucket, side) of step counters, a
-    (pod, drafter, bucket) of draft counters, or a (pod, drafter) of per-position counters."""
-    pod = (labels.get("namespace"), labels.get("pod"))
+    """What a refused row leaves without its sibling counters, in its pod: a (bucket, side) of step
+    counters, a (drafter, bucket) of draft counters, or a drafter's per-position counters."""
     if kind in _ENGINE_KINDS:
-        return ("steps", *pod, labels.get("bucket", ""), labels.get("speculating") == "true")
+        return ("steps", labels.get("bucket", ""), labels.get("speculating") == "true")
     if kind in _SPEC_KINDS:
-        return ("drafts", *pod, labels.get("drafter", ""), labels.get("bucket", ""))
+        return ("drafts", labels.get("drafter", ""), labels.get("bucket", ""))
     if kind in _POSITION_KINDS:
-        return ("positions", *pod, labels.get("drafter", ""))
-    return ("other", *pod)
+        return ("positions", labels.get("drafter", ""))
+    return ("other",)
 
 
-def _untaint(obs: PodObservation, tainted: set[tuple]) -> None:
-    """Clear the counters whose sibling rows were refused (see _taint)."""
-    pod = (obs.namespace, obs.pod)
+def _untaint(obs: PodObservation, tainted: Iterable[tuple]) -> None:
+    """Clear the pod's counters whose sibling rows were refused (see _taint)."""
     for taint in tainted:
-        what, where = taint[0], taint[1:3]
-        if where != pod:
-            continue
+        what = taint[0]
         if what == "steps":
-            bucket, spec = taint[3], taint[4]
+            bucket, spec = taint[1], taint[2]
             side = "spec" if spec else "plain"
             stats = [obs.buckets.get(bucket)] + [b.get(bucket) for b in obs.by_drafter.values()]
             for b in (s for s in stats if s is not None):
                 for attr in ("steps", "seconds", "tokens"):
                     setattr(b, f"{attr}_{side}", 0.0)
         elif what == "drafts":
-            b = obs.by_drafter.get(taint[3], {}).get(taint[4])
+            b = obs.by_drafter.get(taint[1], {}).get(taint[2])
             if b is not None:
                 b.drafts = b.draft_tokens = b.accepted = 0.0
         elif what == "positions":
-            for b in obs.by_drafter.get(taint[3], {}).values():
+            for b in obs.by_drafter.get(taint[1], {}).values():
                 b.accepted_pos, b.proposed_pos = {}, {}
 
 
