@@ -40,7 +40,7 @@ import psutil
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from specserve_engine import metric_names, processes
+from specserve_engine import processes
 from specserve_engine.api import SidecarConfig
 from specserve_engine.draft_protocol import SOCKET_NAME
 from specserve_engine.launch import SidecarProcess, free_port, start_sidecar
@@ -54,6 +54,7 @@ from specserve_operator.tuner.core import ResourceView
 from specserve_testing import fault_operator
 from specserve_testing.engines import DRAFT, TARGET
 from specserve_testing.kmock_emulator import NAMESPACE, SERVINGS, RVEmulator
+from specserve_testing.prometheus import SERIES, openmetrics
 
 TESTS = Path(__file__).resolve().parents[1]
 NAME = "llm"
@@ -106,24 +107,6 @@ def resource(
 
 # ---- the history the real Prometheus holds ---------------------------------------------------------
 
-# Row kind -> (counter series, labels kept), as the engine's stat logger exports them.
-_SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    observations.STEPS: (metric_names.ENGINE_STEPS.series[0], ("bucket", "speculating")),
-    observations.STEP_SECONDS: (metric_names.ENGINE_STEP_SECONDS.series[0], ("bucket", "speculating")),
-    observations.TOKENS: (metric_names.ENGINE_GENERATED_TOKENS.series[0], ("bucket", "speculating")),
-    observations.DRAFTS: (metric_names.SPEC_DRAFTS.series[0], ("bucket", "drafter")),
-    observations.DRAFT_TOKENS: (metric_names.SPEC_DRAFT_TOKENS.series[0], ("bucket", "drafter")),
-    observations.ACCEPTED: (metric_names.SPEC_ACCEPTED_TOKENS.series[0], ("bucket", "drafter")),
-    observations.ACCEPTED_POS: (
-        metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0],
-        ("drafter", "position"),
-    ),
-    observations.PROPOSED_POS: (
-        metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0],
-        ("drafter", "position"),
-    ),
-}
-
 
 def _pod_rows(pod: str, drafter: str | None, prior: Any) -> list[tuple[str, dict[str, str], float]]:
     """One pod's counters over the window: plain at batch 50 and, with a drafter, speculating at batch 3
@@ -165,23 +148,8 @@ def fleet_history(pods: dict[str, str | None], end_s: float, span_s: float) -> s
     linearly over `span_s` up to `end_s` (promtool backfills it): what the controller's window finds."""
     spec = SpeculativeServingSpec.model_validate(resource("http://unused")["spec"])
     prior = ResourceView(NAMESPACE, NAME, spec, tuple(pods)).prior(spec.drafters[0])
-    families: dict[str, list[str]] = {}
-    n = 60
-    for pod, drafter in pods.items():
-        for kind, labels, value in _pod_rows(pod, drafter, prior):
-            series, keep = _SERIES[kind]
-            kept = {**{k: labels[k] for k in keep}, "namespace": NAMESPACE, "pod": pod}
-            text = ",".join(f'{k}="{v}"' for k, v in sorted(kept.items()))
-            lines = families.setdefault(series.removesuffix("_total"), [])
-            lines += [
-                f"{series}{{{text}}} {value * i / n:.6f} {end_s - span_s + i * span_s / n:.3f}"
-                for i in range(n + 1)
-            ]
-    out = []
-    for family, lines in families.items():
-        out.append(f"# TYPE {family} counter")
-        out.extend(sorted(lines, key=lambda line: (line.rsplit(" ", 2)[0], float(line.rsplit(" ", 1)[1]))))
-    return "\n".join([*out, "# EOF"]) + "\n"
+    rows = [row for pod, drafter in pods.items() for row in _pod_rows(pod, drafter, prior)]
+    return openmetrics(rows, end_s - span_s, end_s, step_s=span_s / 60)
 
 
 def sidecar_scrape_config(targets_file: Path) -> dict:
@@ -454,7 +422,7 @@ class OperatorProcess:
 # ---- a Prometheus that misbehaves -------------------------------------------------------------------
 
 FAULTS = ("down", "hung", "garbage", "inf", "negative", "empty")
-_COUNTER_KINDS = set(_SERIES)
+_COUNTER_KINDS = set(SERIES)
 _GARBAGE = (
     (200, "text/html", "<html><body>502 Bad Gateway</body></html>"),
     (200, "application/json", '{"status": "success", "data": {"resultType": "vector", "result": '),

@@ -18,6 +18,7 @@ from specserve_engine.sidecar_service import SidecarService
 from specserve_operator.api.models import SpeculativeServingSpec
 from specserve_operator.render import children as render
 from specserve_operator.tuner import observations
+from specserve_testing.prometheus import openmetrics
 
 
 @dataclass(frozen=True)
@@ -90,63 +91,6 @@ def pod_rows(
             (observations.PROPOSED_POS, plab, proposed_pos[i]),
         ]
     return rows
-
-
-# Row kind → (metric series, label names kept) for writing rows as Prometheus counters.
-SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    observations.STEPS: (metric_names.ENGINE_STEPS.series[0], ("bucket", "speculating")),
-    observations.STEP_SECONDS: (metric_names.ENGINE_STEP_SECONDS.series[0], ("bucket", "speculating")),
-    observations.TOKENS: (metric_names.ENGINE_GENERATED_TOKENS.series[0], ("bucket", "speculating")),
-    observations.DRAFTS: (metric_names.SPEC_DRAFTS.series[0], ("bucket", "drafter")),
-    observations.DRAFT_TOKENS: (metric_names.SPEC_DRAFT_TOKENS.series[0], ("bucket", "drafter")),
-    observations.ACCEPTED: (metric_names.SPEC_ACCEPTED_TOKENS.series[0], ("bucket", "drafter")),
-    observations.ACCEPTED_POS: (
-        metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0],
-        ("drafter", "position"),
-    ),
-    observations.PROPOSED_POS: (
-        metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0],
-        ("drafter", "position"),
-    ),
-}
-
-
-def openmetrics(rows: list[observations.Row], start_s: float, end_s: float, step_s: float = 15.0) -> str:
-    """Rows as counters rising linearly from 0 at `start_s` to their value at `end_s` (the increase over
-    that span is the row's value), gauges held constant; OpenMetrics text for promtool's backfill."""
-    families: dict[str, list[str]] = {}
-    types: dict[str, str] = {}
-    n = int((end_s - start_s) // step_s)
-    for kind, labels, value in rows:
-        extra = {}
-        if kind in SERIES:
-            series, keep = SERIES[kind]
-            family, mtype = series.removesuffix("_total"), "counter"
-            extra = {k: labels[k] for k in keep if k in labels}
-        elif kind == observations.POLICY_INFO:
-            series = family = metric_names.SIDECAR_POLICY_INFO.name
-            mtype = "gauge"
-            extra = {k: labels[k] for k in ("drafter", "mode", "policy_version")}
-        elif kind == observations.RUNNING:
-            series = family = metric_names.VLLM_REQUESTS_RUNNING
-            mtype = "gauge"
-        else:
-            continue
-        types[family] = mtype
-        lab = {"namespace": labels["namespace"], "pod": labels["pod"], **extra}
-        text = ",".join(f'{k}="{v}"' for k, v in sorted(lab.items()))
-        lines = families.setdefault(family, [])
-        for i in range(n + 1):
-            t = start_s + i * step_s
-            v = value * i / n if mtype == "counter" else value
-            lines.append(f"{series}{{{text}}} {v:.6f} {t:.3f}")
-    out = []
-    for family, lines in families.items():
-        out.append(f"# TYPE {family} {types[family]}")
-        # OpenMetrics wants each series' samples in time order; group them by series.
-        out.extend(sorted(lines, key=lambda line: (line.rsplit(" ", 2)[0], float(line.rsplit(" ", 1)[1]))))
-    out.append("# EOF")
-    return "\n".join(out) + "\n"
 
 
 def spec_body(**overrides: object) -> dict:
