@@ -8,6 +8,10 @@ so every engine runs with the same plugins (docs/engine-pod.md#what-runs-inside-
 - `--worker-cls` = vLLM's worker whose model runner runs a K = 0 step as a plain step (no draft work,
   nothing verified) and gives each step's K to every drafter, the sidecar's proposer included
   (vllm_plugins/plain_step.py); only engines with a drafter;
+- `--distributed-executor-backend` = vLLM's multiprocess executor that skips the per-step draft round
+  trip to the worker after steps with K = 0 (plain_step.py); only engines with a drafter whose worker runs
+  in its own process (vLLM's CPU backend, or tensor parallelism), where vLLM itself would pick that
+  executor: a single-GPU engine keeps vLLM's in-process executor, where the call costs nothing;
 - `--enable-logging-iteration-details` gives the stat-logger plugin the exact composition of each step
   (its batch size); `--disable-log-stats` stops vLLM's own per-interval log lines (its Prometheus
   metrics stay);
@@ -41,6 +45,7 @@ SOURCE_REQUIRED = frozenset({"eagle3", "eagle", "medusa", "draftModel"})
 SIDECAR_PROPOSER = "specserve_engine.vllm_plugins.proposer.SidecarProposer"
 LIVE_POLICY_SCHEDULER = "specserve_engine.vllm_plugins.live_policy.LivePolicyScheduler"
 PLAIN_STEP_WORKER = "specserve_engine.vllm_plugins.plain_step.PlainStepWorker"
+PLAIN_STEP_EXECUTOR = "specserve_engine.vllm_plugins.plain_step.PlainStepExecutor"
 # Key of specserve's block inside vLLM's --additional-config; read back by the plugins.
 ADDITIONAL_CONFIG_KEY = "specserve"
 # n-gram prompt lookup window (vLLM defaults both ends to 5, which misses short repeats).
@@ -121,6 +126,7 @@ def build_engine_args(
     runtime_dir: str,
     extra_args: Sequence[str] = (),
     host: str = "0.0.0.0",
+    cpu_backend: bool = False,
 ) -> list[str]:
     """The argv after `vllm serve`: the model, the drafter's speculative config and specserve's plugins.
 
@@ -152,6 +158,8 @@ def build_engine_args(
     spec = speculative_config(drafter, bucket_bounds, max_num_seqs)
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec), "--worker-cls", PLAIN_STEP_WORKER]
+        if cpu_backend or tensor_parallel_size > 1:  # where vLLM runs its workers in their own processes
+            args += ["--distributed-executor-backend", PLAIN_STEP_EXECUTOR]
     return args + list(extra_args)
 
 

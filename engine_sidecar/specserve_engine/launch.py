@@ -79,6 +79,7 @@ class EngineSpec:
             drafter=self.drafter,
             bucket_bounds=list(self.bucket_bounds),
             runtime_dir=self.runtime_dir,
+            cpu_backend=True,
         )
 
     def environment(self) -> dict[str, str]:

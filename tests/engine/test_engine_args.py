@@ -11,6 +11,7 @@ from specserve_engine.api import SidecarDrafter
 from specserve_engine.engine_args import (
     ADDITIONAL_CONFIG_KEY,
     LIVE_POLICY_SCHEDULER,
+    PLAIN_STEP_EXECUTOR,
     PLAIN_STEP_WORKER,
     SIDECAR_PROPOSER,
     STOCK_ENGINE_ENV,
@@ -125,6 +126,16 @@ def test_argv_carries_the_plugins_and_extra_args_last() -> None:
     assert args[-1] == "--enforce-eager"
 
 
+def test_the_plain_step_executor_only_where_vllm_runs_workers_in_processes() -> None:
+    assert "--distributed-executor-backend" not in _args()  # one GPU: vLLM's in-process executor
+    for args in (_args(cpu_backend=True), _args(tensor_parallel_size=2)):
+        assert _flag(args, "--distributed-executor-backend") == PLAIN_STEP_EXECUTOR
+    assert "--distributed-executor-backend" not in _args(drafter=None, cpu_backend=True)
+    # A user's own executor (engine.extraArgs) comes last and wins.
+    user = _args(cpu_backend=True, extra_args=["--distributed-executor-backend", "ray"])
+    assert user[-2:] == ["--distributed-executor-backend", "ray"]
+
+
 def test_argv_without_drafter_has_no_speculative_config() -> None:
     args = _args(drafter=None)
     assert "--speculative-config" not in args
@@ -181,6 +192,7 @@ def test_a_stock_engine_has_the_same_engine_flags_and_none_of_specserves() -> No
         "--additional-config",
         "--speculative-config",
         "--worker-cls",
+        "--distributed-executor-backend",
     }
     for flag in stock_flags:
         assert _flag(stock, flag) == _flag(ours, flag), flag

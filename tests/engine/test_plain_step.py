@@ -16,8 +16,13 @@ from specserve_engine.api import SidecarDrafter
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.launch import EngineSpec
 from specserve_engine.policy_file import PodPolicy, write_policy
-from specserve_engine.vllm_plugins.plain_step import PlainStepRunner, UnsupportedRunner, check_runner
-from specserve_testing.engines import HEADS, MAX_K, NGRAM, TARGET, prompts
+from specserve_engine.vllm_plugins.plain_step import (
+    PlainStepExecutor,
+    PlainStepRunner,
+    UnsupportedRunner,
+    check_runner,
+)
+from specserve_testing.engines import HEADS, MAX_K, NGRAM, TARGET, in_process_engine_args, prompts
 
 pytestmark = pytest.mark.engine
 
@@ -41,11 +46,12 @@ def test_the_pinned_runner_has_what_plain_steps_wrap() -> None:
 
 
 class InProcessEngine:
-    """An LLMEngine with the argv a pod's engine gets, its engine core and worker in this process."""
+    """An LLMEngine with the argv a pod's engine gets, its engine core in this process and its worker too
+    (vLLM's in-process executor), or in its own process with specserve's executor (`worker_process`)."""
 
-    def __init__(self, drafter: SidecarDrafter | None, runtime_dir: Path) -> None:
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    def __init__(
+        self, drafter: SidecarDrafter | None, runtime_dir: Path, worker_process: bool = False
+    ) -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.drafter = drafter
@@ -59,15 +65,12 @@ class InProcessEngine:
             dtype="float32",
         )
         os.environ.update(spec.environment())
-        argv = spec.argv(0)
-        argv = argv[argv.index("--model") :]
+        drop: tuple[str, ...] = () if worker_process else ("--distributed-executor-backend",)
         if drafter is None:  # a stock engine: none of specserve's flags
-            argv = _without(argv, ("--scheduler-cls", "--additional-config"))
-        argv = _without(argv, ("--host", "--port"))
-        args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(argv)
-        self.engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-        core = self.engine.engine_core.engine_core
-        self.runner: Any = core.model_executor.driver_worker.worker.model_runner
+            drop += ("--scheduler-cls", "--additional-config")
+        self.engine = LLMEngine.from_engine_args(in_process_engine_args(spec, drop))
+        self.executor: Any = self.engine.engine_core.engine_core.model_executor
+        self.runner: Any = None if worker_process else self.executor.driver_worker.worker.model_runner
         self._ids = 0
 
     def policy(self, version: int, k: int) -> None:
@@ -101,19 +104,6 @@ class InProcessEngine:
         ids = self.add(texts)
         done = self.run()
         return [done[i] for i in ids]
-
-
-def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True
-        else:
-            out.append(arg)
-    return out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -202,3 +192,29 @@ def test_k0_steps_are_plain_and_output_is_unchanged(
     done |= engine.run()
     assert [done[i] for i in ids] == reference
     assert proposals and runner.spec_steps and runner.plain_steps > TOKENS
+
+
+def test_k0_steps_make_no_draft_round_trip_to_the_worker(
+    texts: list[str], reference: list[str], tmp_path: Path
+) -> None:
+    engine = InProcessEngine(NGRAM, tmp_path, worker_process=True)
+    executor = engine.executor
+    assert isinstance(executor, PlainStepExecutor)
+    round_trips: list[str] = []
+    rpc = executor.collective_rpc
+
+    def counted(method: Any, *args: Any, **kwargs: Any) -> Any:
+        round_trips.append(method)
+        return rpc(method, *args, **kwargs)
+
+    executor.collective_rpc = counted
+    engine.policy(1, 0)
+    assert engine.complete(texts) == reference
+    assert "take_draft_token_ids" not in round_trips
+    assert round_trips.count("execute_model") >= TOKENS
+    engine.policy(2, MAX_K)
+    round_trips.clear()
+    assert engine.complete(texts) == reference
+    steps = round_trips.count("execute_model")
+    # Drafts are fetched after the steps that proposed some: every step but the last ones.
+    assert steps - 2 <= round_trips.count("take_draft_token_ids") <= steps

@@ -6,7 +6,8 @@ by side, and every test reuses them: `plain_engine` (no speculation), `ngram_eng
 per-step trace (SPECSERVE_STEP_TRACE). Tests that change an engine's policy must put back the full-K
 policy when done (`RunningEngine.reset_policy`).
 
-Also here: `complete` / `complete_many` (greedy completions) and `scrape` (the engine's /metrics).
+Also here: `complete` / `complete_many` (greedy completions), `scrape` (the engine's /metrics) and
+`in_process_engine_args` (an engine's argv as vLLM's EngineArgs, for engines built inside a test).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -241,3 +243,24 @@ def suffix_engine(colocated_engines: dict[str, RunningEngine]) -> RunningEngine:
 @pytest.fixture(scope="session")
 def draft_model_engine(colocated_engines: dict[str, RunningEngine]) -> RunningEngine:
     return colocated_engines["tiny-draftmodel"]
+
+
+def in_process_engine_args(spec: EngineSpec, drop: tuple[str, ...] = ()) -> Any:
+    """vLLM's EngineArgs from the argv `spec` starts `vllm serve` with, less the API server's flags and
+    the flags in `drop` (each with its value): for engines, engine cores or configs built in a test."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = spec.argv(0)
+    argv = argv[argv.index("--model") :]
+    dropped = ("--host", "--port", *drop)
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in dropped:
+            skip = True
+        else:
+            kept.append(arg)
+    return EngineArgs.from_cli_args(EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(kept))

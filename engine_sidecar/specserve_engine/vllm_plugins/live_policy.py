@@ -7,6 +7,12 @@ atomically by the sidecar) and, when the file changed, rebuilds `dynamic_sd_look
 own builder. The scheduler runs in the engine-core process between steps, so a new table takes effect
 at the next step; K is capped at the start-up `num_speculative_tokens` (a larger K needs a restart).
 
+vLLM picks `AsyncScheduler` where it schedules asynchronously (on GPUs it overlaps scheduling the next step
+with running this one) but takes a `--scheduler-cls` as it is, and a subclass of the synchronous
+scheduler there serialises every step. So `LivePolicyScheduler` becomes `AsyncLivePolicyScheduler` (the
+same methods over `AsyncScheduler`) when the engine's config says asynchronous: the choice vLLM would have
+made. vLLM's CPU backend always schedules synchronously.
+
 Every engine with a drafter starts with a table (engine_args.py), sidecar-hosted ones included: the
 step's K reaches the model runner as `num_spec_tokens_to_schedule`, and specserve's runner
 (plain_step.py) hands it to every drafter and runs a K = 0 step as a plain step.
@@ -25,6 +31,7 @@ import json
 import os
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
@@ -58,6 +65,11 @@ def lookup_for_policy(
 
 class LivePolicyScheduler(Scheduler):
     """vLLM's scheduler with K per batch size read live from the pod's policy file."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LivePolicyScheduler:
+        if cls is LivePolicyScheduler and kwargs["vllm_config"].scheduler_config.async_scheduling:
+            cls = AsyncLivePolicyScheduler
+        return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -105,6 +117,10 @@ class LivePolicyScheduler(Scheduler):
             }
             self._trace.write(json.dumps(record) + "\n")
         return outputs
+
+
+class AsyncLivePolicyScheduler(LivePolicyScheduler, AsyncScheduler):
+    """LivePolicyScheduler over vLLM's asynchronous scheduler (chosen by LivePolicyScheduler itself)."""
 
 
 def verified_drafts(

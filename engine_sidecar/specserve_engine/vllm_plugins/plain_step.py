@@ -19,6 +19,13 @@ engine_args.py) is vLLM's worker for the platform whose model runner is `PlainSt
   drafts from them until they finish (correct output, no drafting from stale state); requests admitted
   later draft normally.
 
+After every step of a speculative engine, vLLM's engine core asks the worker for the drafts it proposed:
+where the worker runs in its own process (the CPU backend always, GPUs with tensor parallelism) that is a
+round trip through shared memory, about a tenth of a small batch's step on this CPU. `PlainStepExecutor`
+(passed as `--distributed-executor-backend` there) is vLLM's multiprocess executor that answers "none"
+itself when no step since the last answer proposed any (every step with K = 0): the scheduler has already
+cleared the requests' drafts when it scheduled them, so "none" is what the worker would have said.
+
 The runner is vLLM's own class with a few methods wrapped, swapped in after vLLM built it, so every other
 behaviour is vLLM's. `check_runner` refuses (the engine does not start) a vLLM whose runner does not have
 the methods and arguments these wrappers rely on; tests/engine/test_plain_step.py checks that K = 0 steps
@@ -32,6 +39,7 @@ import logging
 from typing import Any
 
 from vllm.platforms import current_platform
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -220,3 +228,23 @@ class PlainStepWorker(_platform_worker()):  # type: ignore[misc]
         if self.vllm_config.speculative_config is not None:
             self.model_runner = adopt_runner(self.model_runner)
             log.info("specserve: K = 0 steps run as plain steps (%s)", type(self.model_runner).__name__)
+
+
+class PlainStepExecutor(MultiprocExecutor):
+    """vLLM's multiprocess executor without the draft round trip after steps that proposed nothing."""
+
+    # Whether a step since the last take_draft_token_ids may have proposed drafts. With a batch queue the
+    # engine core takes drafts after the next step went out, so one flag for every step since the last
+    # take, not just the latest, keeps this exact there too.
+    _may_have_drafts = False
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        if scheduler_output.num_spec_tokens_to_schedule > 0:
+            self._may_have_drafts = True
+        return super().execute_model(scheduler_output, non_block)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        if not self._may_have_drafts:
+            return None  # what the worker answers after steps that proposed none
+        self._may_have_drafts = False
+        return super().take_draft_token_ids()
