@@ -457,7 +457,7 @@ async def run(workdir: Path) -> dict:
 
 # The overhead phase: an engine whose speculation is off against vLLM started as users start it.
 OVERHEAD_BATCHES = (1, 4, 16, 32)
-OVERHEAD_ROUNDS = 7
+OVERHEAD_ROUNDS = 8
 OVERHEAD_GOAL = 0.98
 RESUME_STRETCH_S = 60.0
 RESUME_DRAFTS = 800  # vLLM counts a draft per request per speculative step: 200 steps at batch 4
@@ -468,98 +468,150 @@ BOUNDARY_PERIOD_S = 2.0
 
 
 OVERHEAD_SETUP = (
-    "off_overhead: five engines up at once, one measured at a time (closed loop, mixed prompts, 64 tokens); "
-    "stock = vLLM started without specserve (same model, dtype float32, eager, max-num-seqs 32, threads; "
-    "no scheduler, worker, logging or speculative flags, VLLM_PLUGINS empty); specserve-no-drafter = "
-    "specserve's flags and plugins, no drafter; sidecar-off = the sidecar-hosted engine with policy mode "
-    "off; colocated-*-off = vLLM's n-gram and an EAGLE-3 head with every bucket at K = 0"
+    "off_overhead: a stock engine up throughout and one candidate beside it at a time (two engines "
+    "alive: every engine up at once made the idle ones' pollers part of the noise), measured in pairs "
+    "(closed loop, mixed prompts, 64 tokens, about 2 s each; which of the pair goes first alternates by "
+    "round), the ratio taken within each pair; stock = vLLM started without specserve (same model, dtype "
+    "float32, eager, max-num-seqs 32, threads; no scheduler, worker, executor, logging or speculative "
+    "flags, VLLM_PLUGINS empty); specserve-no-drafter = specserve's flags and plugins, no drafter; "
+    "sidecar-off = the sidecar-hosted engine with policy mode off; colocated-*-off = vLLM's n-gram and "
+    "an EAGLE-3 head with every bucket at K = 0"
 )
 
 
 def overhead_requests(batch: int) -> int:
-    """Requests per measurement: about three seconds of decoding at every batch size on this CPU."""
-    return {1: 16, 4: 32, 16: 64}.get(batch, 4 * batch)
+    """Requests per measurement: about two seconds of decoding at every batch size on this CPU."""
+    return {1: 8, 4: 16, 16: 32}.get(batch, 2 * batch)
+
+
+Candidate = tuple[EngineSpec, Callable[[EngineProcess], Awaitable[None]]]
+SetTable = Callable[[dict[str, int]], Awaitable[None]]
+
+
+async def paired_rounds(
+    stock: EngineProcess, engine: EngineProcess, texts: list[str], rounds: int
+) -> dict[str, dict[str, list[float]]]:
+    """Tokens/s of `engine` and of the stock engine, measured back to back per batch size and round."""
+    out: dict[str, dict[str, list[float]]] = {str(b): {"engine": [], "stock": []} for b in OVERHEAD_BATCHES}
+    for r in range(rounds):
+        for batch in OVERHEAD_BATCHES:
+            pair = (("engine", engine), ("stock", stock))
+            for role, e in pair if r % 2 == 0 else pair[::-1]:
+                value = await throughput(e, batch, texts, requests=overhead_requests(batch))
+                out[str(batch)][role].append(round(value, 1))
+        print(f"  {engine.spec.served_model_name}: round {r + 1}/{rounds}", file=sys.stderr)
+    return out
 
 
 async def run_overhead(
     workdir: Path, rounds: int = OVERHEAD_ROUNDS, stretch_s: float = RESUME_STRETCH_S
 ) -> dict:
     """off_overhead: tokens/s of each engine with speculation off divided by a stock engine's, measured
-    round by round (every engine at every batch size in a round, in a rotating order), so that the
-    machine's drift hits all of them alike; medians and spread of the per-round ratios."""
+    in pairs (see OVERHEAD_SETUP); then, on the engines with stateful drafters while they are up,
+    resume_mal_ratio and boundary_oscillation_ratio."""
     workdir.mkdir(parents=True, exist_ok=True)
     runtime = workdir / "sidecar-pod"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
     eagle3 = HEADS["tiny-eagle3"]
-    specs = [
-        engine_spec(workdir, "stock", None, stock=True),
-        engine_spec(workdir, "specserve-no-drafter", None),
-        engine_spec(workdir, "sidecar-off", ENGINE_DRAFTER, env={DEADLINE_ENV: "250"}, runtime_dir=runtime),
-        engine_spec(workdir, "colocated-ngram-off", NGRAM),
-        engine_spec(workdir, "colocated-eagle3-off", eagle3, model=target_of(eagle3)),
-    ]
+    mixed = mixed_prompts()
+    stock = start_engines([engine_spec(workdir, "stock", None, stock=True)], workdir / "logs", 1200)[0]
     sidecar.wait_ready()
-    t0 = time.perf_counter()
-    engines = start_engines(specs, workdir / "logs", timeout_s=1200)
-    print(f"overhead engines up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    pod = Pod(engines[2], sidecar)
-    try:
-        await pod.apply("ngram", 0, "off")
-        # The specserve path's host time per step (pack, socket, row table, answer), no draft compute.
-        on_overhead = {
-            f"batch {rows}, context {length}": measure_rtt(sidecar, calls=1000, rows=rows, length=length)
-            for rows in (1, 16)
-            for length in (256, 4096)
-        }
-        for engine, drafter in ((engines[3], NGRAM), (engines[4], eagle3)):
-            off = {b: 0 for b in bucket_labels(BUCKETS)}
+    results: dict = {"resume_mal_ratio": {}, "boundary_oscillation_ratio": {}}
+    tps: dict[str, dict[str, dict[str, list[float]]]] = {}
+
+    async def all_off(engine: EngineProcess) -> None:
+        drafter = engine.spec.drafter
+        if drafter is not None:
+            off = dict.fromkeys(bucket_labels(BUCKETS), 0)
             write_policy(PodPolicy(1, drafter.name, "off", off, BUCKETS), engine.spec.runtime_dir)
-        mixed = mixed_prompts()
-        for engine in engines:  # warm every engine once, outside the measurement
-            await throughput(engine, 4, mixed, requests=4)
-        names = [e.spec.served_model_name for e in engines]
-        tps: dict[str, dict[str, list[float]]] = {str(b): {n: [] for n in names} for b in OVERHEAD_BATCHES}
-        for r in range(rounds):
-            for batch in OVERHEAD_BATCHES:
-                order = engines[r % len(engines) :] + engines[: r % len(engines)]
-                for engine in order:
-                    value = await throughput(engine, batch, mixed, requests=overhead_requests(batch))
-                    tps[str(batch)][engine.spec.served_model_name].append(round(value, 1))
-                print(f"overhead round {r + 1}/{rounds}: batch {batch} done", file=sys.stderr)
-        results = {
-            "off_overhead": overhead_summary(tps, "stock"),
-            "off_overhead_tokens_per_s": tps,
-            "on_overhead_ms_per_step": on_overhead,
-        }
-        # Drafters with state: the sidecar's (through the pod's policy) and vLLM's EAGLE-3 (policy file).
-        colocated_eagle3 = engines[4]
-        versions = itertools.count(2)
 
-        async def set_eagle3(table: dict[str, int]) -> None:
-            policy = PodPolicy(next(versions), eagle3.name, "on", table, BUCKETS)
-            write_policy(policy, colocated_eagle3.spec.runtime_dir)
+    pods: dict[str, Pod] = {}  # one per engine: a pod numbers its policy versions
 
-        setters = {name: _sidecar_setter(pod, name) for name in ("tiny-draft", "self", "suffix")}
-        setters["eagle3 (colocated)"] = set_eagle3
-        targets = {name: pod.engine for name in ("tiny-draft", "self", "suffix")}
-        targets["eagle3 (colocated)"] = colocated_eagle3
-        results["resume_mal_ratio"] = {}
-        for name, setter in setters.items():
-            results["resume_mal_ratio"][name] = await resume_mal(targets[name], setter, mixed, stretch_s)
-            print(f"resume {name}: {results['resume_mal_ratio'][name]}", file=sys.stderr)
-        results["boundary_oscillation_ratio"] = {}
-        for name in ("tiny-draft", "eagle3 (colocated)"):
-            ratio = await boundary_oscillation(targets[name], setters[name], mixed)
-            results["boundary_oscillation_ratio"][name] = ratio
-            print(f"boundary {name}: {ratio}", file=sys.stderr)
-        return results
+    async def sidecar_off(engine: EngineProcess) -> None:
+        pods[engine.spec.served_model_name] = Pod(engine, sidecar)
+        await pods[engine.spec.served_model_name].apply("ngram", 0, "off")
+
+    candidates: list[Candidate] = [
+        (engine_spec(workdir, "specserve-no-drafter", None), all_off),
+        (
+            engine_spec(
+                workdir, "sidecar-off", ENGINE_DRAFTER, env={DEADLINE_ENV: "250"}, runtime_dir=runtime
+            ),
+            sidecar_off,
+        ),
+        (engine_spec(workdir, "colocated-ngram-off", NGRAM), all_off),
+        (engine_spec(workdir, "colocated-eagle3-off", eagle3, model=target_of(eagle3)), all_off),
+    ]
+    try:
+        for spec, turn_off in candidates:
+            t0 = time.perf_counter()
+            engine = start_engines([spec], workdir / "logs", timeout_s=1200)[0]
+            print(f"{spec.served_model_name} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            try:
+                await turn_off(engine)
+                for e in (stock, engine):  # warm both once, outside the measurement
+                    await throughput(e, 4, mixed, requests=4)
+                measured = await paired_rounds(stock, engine, mixed, rounds)
+                for batch, pair in measured.items():
+                    tps.setdefault(batch, {})[spec.served_model_name] = pair["engine"]
+                    tps[batch][f"stock beside {spec.served_model_name}"] = pair["stock"]
+                if spec.served_model_name == "sidecar-off":
+                    pod = pods[spec.served_model_name]
+                    # The specserve path's host time per step (pack, socket, row table, answer).
+                    results["on_overhead_ms_per_step"] = {
+                        f"batch {rows}, context {length}": measure_rtt(
+                            sidecar, calls=1000, rows=rows, length=length
+                        )
+                        for rows in (1, 16)
+                        for length in (256, 4096)
+                    }
+                    await stateful_drafters(
+                        results,
+                        engine,
+                        {n: _sidecar_setter(pod, n) for n in ("tiny-draft", "self", "suffix")},
+                        mixed,
+                        stretch_s,
+                        boundary="tiny-draft",
+                    )
+                if spec.served_model_name == "colocated-eagle3-off":
+                    name = "eagle3 (colocated)"
+                    setters = {name: _policy_file_setter(engine, eagle3.name)}
+                    await stateful_drafters(results, engine, setters, mixed, stretch_s, boundary=name)
+            finally:
+                engine.stop()
     finally:
-        for engine in engines:
-            engine.stop()
+        stock.stop()
         sidecar.stop()
+    results["off_overhead"] = overhead_summary(tps)
+    results["off_overhead_tokens_per_s"] = tps
+    return results
 
 
-SetTable = Callable[[dict[str, int]], Awaitable[None]]
+async def stateful_drafters(
+    results: dict,
+    engine: EngineProcess,
+    setters: dict[str, SetTable],
+    texts: list[str],
+    stretch_s: float,
+    boundary: str,
+) -> None:
+    """resume_mal_ratio for each drafter `setters` switches on, boundary_oscillation_ratio for one."""
+    for name, setter in setters.items():
+        results["resume_mal_ratio"][name] = await resume_mal(engine, setter, texts, stretch_s)
+        print(f"resume {name}: {results['resume_mal_ratio'][name]}", file=sys.stderr)
+    ratio = await boundary_oscillation(engine, setters[boundary], texts)
+    results["boundary_oscillation_ratio"][boundary] = ratio
+    print(f"boundary {boundary}: {ratio}", file=sys.stderr)
+
+
+def _policy_file_setter(engine: EngineProcess, drafter: str) -> SetTable:
+    """Sets a colocated drafter's K table through the engine's policy file (no sidecar)."""
+    versions = itertools.count(2)
+
+    async def write(table: dict[str, int]) -> None:
+        write_policy(PodPolicy(next(versions), drafter, "on", table, BUCKETS), engine.spec.runtime_dir)
+
+    return write
 
 
 def _sidecar_setter(pod: Pod, drafter: str) -> SetTable:
@@ -669,16 +721,16 @@ async def boundary_oscillation(engine: EngineProcess, set_table: SetTable, texts
     }
 
 
-def overhead_summary(tps: dict[str, dict[str, list[float]]], stock: str) -> dict:
-    """Per batch size and engine: the median, min and max over rounds of tokens/s / the stock engine's
-    tokens/s in the same round."""
+def overhead_summary(tps: dict[str, dict[str, list[float]]]) -> dict:
+    """Per batch size and engine: the median, min and max over rounds of its tokens/s / the tokens/s of
+    the stock engine measured beside it in the same round."""
     out: dict = {}
     for batch, row in tps.items():
         out[batch] = {}
         for name, values in row.items():
-            if name == stock:
+            if name.startswith("stock beside "):
                 continue
-            ratios = [v / s for v, s in zip(values, row[stock], strict=True)]
+            ratios = [v / s for v, s in zip(values, row[f"stock beside {name}"], strict=True)]
             out[batch][name] = {
                 "median": round(statistics.median(ratios), 3),
                 "min": round(min(ratios), 3),

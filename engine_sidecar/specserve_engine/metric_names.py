@@ -35,28 +35,30 @@ BUCKET = "bucket"
 SPECULATING = "speculating"
 DRAFTER = "drafter"
 POSITION = "position"
+K = "k"
 
 # --- engine (vLLM stat-logger plugin), one observation per engine step -------------------------------
 # Counters are declared without the `_total` suffix, as prometheus_client wants them.
-# `drafter` names the drafter in force for speculative steps (empty for plain steps), so a pod that
-# switched drafters inside a window still gives each drafter's step times.
+# `drafter` names the drafter in force for speculative steps (empty for plain steps) and `k` the drafts'
+# length the step verified ("0" for plain steps), so a pod that switched drafters or K inside a window
+# still gives the step time of each drafter at each K.
 ENGINE_STEPS = Metric(
     "specserve_engine_steps",
     "counter",
-    (MODEL, BUCKET, SPECULATING, DRAFTER),
-    "Engine steps by batch-size bucket (and drafter, for speculative steps).",
+    (MODEL, BUCKET, SPECULATING, DRAFTER, K),
+    "Engine steps by batch-size bucket (and drafter and K, for speculative steps).",
 )
 ENGINE_STEP_SECONDS = Metric(
     "specserve_engine_step_seconds",
     "counter",
-    (MODEL, BUCKET, SPECULATING, DRAFTER),
-    "Wall time of engine steps by batch-size bucket (and drafter, for speculative steps).",
+    (MODEL, BUCKET, SPECULATING, DRAFTER, K),
+    "Wall time of engine steps by batch-size bucket (and drafter and K, for speculative steps).",
 )
 ENGINE_GENERATED_TOKENS = Metric(
     "specserve_engine_generated_tokens",
     "counter",
-    (MODEL, BUCKET, SPECULATING, DRAFTER),
-    "Output tokens produced by engine steps by batch-size bucket (and drafter, for speculative steps).",
+    (MODEL, BUCKET, SPECULATING, DRAFTER, K),
+    "Output tokens produced by engine steps by batch-size bucket (and drafter and K, for speculative steps).",
 )
 SPEC_DRAFTS = Metric(
     "specserve_spec_drafts", "counter", (MODEL, BUCKET, DRAFTER), "Requests whose drafts were verified."

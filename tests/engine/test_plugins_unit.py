@@ -78,12 +78,22 @@ def test_a_speculating_step_is_bucketed_by_the_requests_it_scheduled() -> None:
     assert (step.drafts, step.draft_tokens, step.accepted_tokens) == (2, 5, 2)
     assert step.accepted_per_position == (1, 1, 0)
     assert step.draft_tokens_per_position == (2, 2, 1)
+    assert step.k == 3  # the longest draft: the K in force
+
+
+def test_k_is_the_longest_draft_not_the_engines_maximum() -> None:
+    spec = SpecDecodingStats.new(5)  # started with K = 5, the table says 2 for this batch size
+    spec.observe_draft(num_draft_tokens=2, num_accepted_tokens=1)
+    spec.observe_draft(num_draft_tokens=1, num_accepted_tokens=1)  # a drafter may propose fewer
+    stats = SchedulerStats(iteration_details=_details(ctx=0, gen=2), spec_decoding_stats=spec)
+    step = observe_step(stats, _iteration(4), BOUNDS)
+    assert step is not None and step.k == 2
 
 
 def test_a_plain_step_and_a_large_batch() -> None:
     step = observe_step(SchedulerStats(iteration_details=_details(0, 20)), _iteration(20), BOUNDS)
     assert step is not None
-    assert (step.bucket, step.speculating, step.drafts) == ("+Inf", False, 0)
+    assert (step.bucket, step.speculating, step.drafts, step.k) == ("+Inf", False, 0, 0)
 
 
 def test_messages_that_are_not_steps_are_ignored() -> None:

@@ -57,10 +57,11 @@ def backfill_openmetrics(openmetrics: str, data_dir: Path) -> None:
 
 
 # Row kind → (metric series, label names kept) for writing rows as Prometheus counters.
+_STEP_LABELS = ("bucket", "speculating", "drafter", "k")
 SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    observations.STEPS: (metric_names.ENGINE_STEPS.series[0], ("bucket", "speculating")),
-    observations.STEP_SECONDS: (metric_names.ENGINE_STEP_SECONDS.series[0], ("bucket", "speculating")),
-    observations.TOKENS: (metric_names.ENGINE_GENERATED_TOKENS.series[0], ("bucket", "speculating")),
+    observations.STEPS: (metric_names.ENGINE_STEPS.series[0], _STEP_LABELS),
+    observations.STEP_SECONDS: (metric_names.ENGINE_STEP_SECONDS.series[0], _STEP_LABELS),
+    observations.TOKENS: (metric_names.ENGINE_GENERATED_TOKENS.series[0], _STEP_LABELS),
     observations.DRAFTS: (metric_names.SPEC_DRAFTS.series[0], ("bucket", "drafter")),
     observations.DRAFT_TOKENS: (metric_names.SPEC_DRAFT_TOKENS.series[0], ("bucket", "drafter")),
     observations.ACCEPTED: (metric_names.SPEC_ACCEPTED_TOKENS.series[0], ("bucket", "drafter")),

@@ -69,7 +69,8 @@ def pod_rows(
                 surv *= alphas[i]
                 survival.append(surv)
             drafts = load.steps_spec * load.batch
-            lab = {**base, "bucket": label, "speculating": "true"}
+            # As the engine plugin labels them: the drafter in force and the K the steps verified.
+            lab = {**base, "bucket": label, "speculating": "true", "drafter": drafter, "k": str(load.k)}
             rows += [
                 (observations.STEPS, lab, load.steps_spec),
                 (observations.STEP_SECONDS, lab, load.steps_spec * load.step_s_spec),

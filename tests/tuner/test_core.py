@@ -154,6 +154,12 @@ def test_switched_pods_calibrate_only_plain_steps(spec_factory, rows_for, bucket
     prior = view.prior(spec.drafters[0])
     loads = healthy_loads(bucket_load, prior, slow_high=5.0)
     rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
+    # Step counters from an engine that predates their drafter label: nothing says whose steps they are.
+    engine_kinds = (observations.STEPS, observations.STEP_SECONDS, observations.TOKENS)
+    rows = [
+        (kind, {**labels, "drafter": "", "k": ""} if kind in engine_kinds else labels, value)
+        for kind, labels, value in rows
+    ]
     snap = observations.build_snapshot(rows, 300.0)
     measured = core.FleetCosts([view], snap).cost(view, spec.drafters[0])
     assert measured.measured_spec("64")

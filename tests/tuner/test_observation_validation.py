@@ -159,7 +159,8 @@ def test_zero_step_seconds_are_dropped_instead_of_dividing_by_zero(
     d, _ = decide_and_report(spec, rows)
     assert d.action != "noData"
     snap = build_snapshot(rows, 300.0)
-    assert snap.dropped == {observations.DROP_ZERO_DURATION: 8}  # 2 pods x 2 buckets x plain and spec
+    # 2 pods x 2 buckets x (plain, spec, and the spec steps' copy under their drafter)
+    assert snap.dropped == {observations.DROP_ZERO_DURATION: 12}
     assert snap.pods[(NS, "pod-a")].buckets["4"].steps_spec == 0.0
     assert snap.pods[(NS, "pod-a")].buckets["64"].steps_plain == 2000
 

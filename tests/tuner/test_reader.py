@@ -57,6 +57,7 @@ def test_reader_gets_the_whole_fleet_in_four_queries(prometheus_factory, fleet_h
     spec4, plain64 = a.buckets["4"], a.buckets["64"]
     assert spec4.steps_spec == pytest.approx(3000, rel=0.1)
     assert spec4.seconds_spec / spec4.steps_spec == pytest.approx(0.02, rel=0.02)
+    assert spec4.steps_by_k == {3: pytest.approx(spec4.steps_spec)}  # the K the steps verified
     assert plain64.tokens_plain / plain64.steps_plain == pytest.approx(50, rel=0.02)
     assert spec4.draft_tokens / spec4.drafts == pytest.approx(3, rel=0.02)
     assert a.mal == pytest.approx(expected_tokens((0.8, 0.75, 0.5), 3), rel=0.02)

@@ -1,5 +1,6 @@
-"""Step counters labelled with the drafter in force: a pod that switched drafters inside the metrics
-window still gives each drafter its own speculative step times (one pod can run a trial)."""
+"""Step counters labelled with the drafter and the K in force: a pod that switched drafters inside the
+metrics window still gives each drafter its own speculative step times (one pod can run a trial), and
+one that switched K gives the step time at each K."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ from specserve_operator.tuner import core, observations
 NS = "ml"
 
 
-def _steps(pod: str, bucket: str, speculating: bool, drafter: str, steps: float, step_s: float) -> list:
+def _steps(
+    pod: str, bucket: str, speculating: bool, drafter: str, steps: float, step_s: float, k: str = ""
+) -> list:
     labels = {
         "namespace": NS,
         "pod": pod,
         "bucket": bucket,
         "speculating": "true" if speculating else "false",
         "drafter": drafter,
+        "k": k,
     }
     return [
         (observations.STEPS, labels, steps),
@@ -70,3 +74,50 @@ def test_a_pod_that_switched_drafters_calibrates_both(spec_factory) -> None:
 
 
 _ENGINE = (observations.STEPS, observations.STEP_SECONDS, observations.TOKENS)
+
+
+def test_a_pod_that_changed_k_calibrates_each_k_at_its_own_cost(spec_factory) -> None:
+    spec = spec_factory()
+    draft = spec.drafters[0]
+    view = core.ResourceView(NS, "llm", spec, ("pod-a",))
+    prior = view.prior(draft)
+    # Half the window at K = 1, half at K = 4 (3 requests per step), every step 1.5x what the prior
+    # predicts at its K. Predicted at the mean draft length (2.5, rounded) the ratio would come out wrong.
+    drafts = {"namespace": NS, "pod": "pod-a", "bucket": "4", "drafter": draft.name}
+    rows = (
+        _policy("pod-a", draft.name)
+        + _steps("pod-a", "4", True, draft.name, 300, 1.5 * prior.step_s(3.0, 1), k="1")
+        + _steps("pod-a", "4", True, draft.name, 300, 1.5 * prior.step_s(3.0, 4), k="4")
+        + [
+            (observations.DRAFTS, drafts, 1800.0),
+            (observations.DRAFT_TOKENS, drafts, 900.0 * 1 + 900.0 * 4),
+            (observations.ACCEPTED, drafts, 1800.0),
+        ]
+    )
+    snap = observations.build_snapshot(rows, 300.0)
+    bucket = snap.pods[(NS, "pod-a")].by_drafter[draft.name]["4"]
+    assert (bucket.steps_by_k, bucket.steps_spec) == ({1: 300, 4: 300}, 600)
+    cost = core.FleetCosts([view], snap).cost(view, draft)
+    assert cost.spec_ratio["4"] == pytest.approx(1.5, rel=1e-6)
+    # The same steps without K labels (an engine from before they were added): the mean-K estimate.
+    unlabelled = [(kind, {**labels, "k": ""}, value) for kind, labels, value in rows]
+    mean_k = core.FleetCosts([view], observations.build_snapshot(unlabelled, 300.0)).cost(view, draft)
+    assert mean_k.spec_ratio["4"] != pytest.approx(1.5, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("k", "reason"), [("x", observations.DROP_LABELS), ("17", observations.DROP_IMPLAUSIBLE)]
+)
+def test_a_k_label_that_cannot_be_true_is_refused(k: str, reason: str) -> None:
+    rows = _steps("pod-a", "4", True, "d", 300, 0.01, k=k)
+    snap = observations.build_snapshot(rows, 300.0)
+    assert snap.dropped == {reason: 3}
+
+
+def test_k_counters_without_their_step_count_are_dropped() -> None:
+    rows = [r for r in _steps("pod-a", "4", True, "d", 300, 0.01, k="2") if r[0] != observations.STEPS]
+    rows += _steps("pod-a", "4", True, "d", 300, 0.01)  # the unlabelled total is there
+    snap = observations.build_snapshot(rows, 300.0)
+    bucket = snap.pods[(NS, "pod-a")].buckets["4"]
+    assert bucket.seconds_by_k == {} and bucket.steps_spec == 300
+    assert snap.dropped.get(observations.DROP_INCONSISTENT)

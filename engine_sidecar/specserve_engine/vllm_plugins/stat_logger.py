@@ -9,7 +9,8 @@ messages, DP dummies) are not engine steps and are not counted.
 `speculating` is "true" for a step that verified at least one draft token. Drafts, and the step counters
 of speculative steps, are labelled with the colocated drafter's name (from --additional-config) or, for
 sidecar-hosted drafters, the drafter named by the policy file at the time of the step; plain steps carry
-an empty `drafter`.
+an empty `drafter`. `k` is the longest draft the step verified (the K in force: a drafter may propose
+fewer tokens for a row, never more), "0" for plain steps.
 
 It also registers the collector of the sidecar proposer's step outcomes (`specserve_proposer_calls_total`,
 counted by the proposer in the worker processes, see proposer.py), read from the runtime dir at scrape.
@@ -46,6 +47,11 @@ class StepObservation:
     accepted_tokens: int
     accepted_per_position: tuple[int, ...]
     draft_tokens_per_position: tuple[int, ...]
+
+    @property
+    def k(self) -> int:
+        """The longest draft verified in the step: the positions any draft reached."""
+        return sum(1 for drafted in self.draft_tokens_per_position if drafted)
 
 
 def observe_step(
@@ -124,7 +130,8 @@ class SpecserveStatLogger(StatLoggerBase):
             return
         c = self._counters
         drafter = self._drafter() if step.speculating else ""
-        engine_labels = (self._model, step.bucket, "true" if step.speculating else "false", drafter)
+        speculating = "true" if step.speculating else "false"
+        engine_labels = (self._model, step.bucket, speculating, drafter, str(step.k))
         c.steps.labels(*engine_labels).inc()
         c.step_seconds.labels(*engine_labels).inc(step.seconds)
         c.generated_tokens.labels(*engine_labels).inc(step.generated_tokens)

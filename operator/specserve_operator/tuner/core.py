@@ -303,6 +303,8 @@ class FleetCosts:
                         tokens_spec=b.tokens_spec,
                         drafts=b.drafts,
                         draft_tokens=b.draft_tokens,
+                        steps_by_k=dict(b.steps_by_k),
+                        seconds_by_k=dict(b.seconds_by_k),
                     )
                     for label, b in buckets.items()
                     if b.steps_spec > 0

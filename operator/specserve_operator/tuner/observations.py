@@ -81,6 +81,9 @@ class BucketStats:
     accepted: float = 0.0
     accepted_pos: dict[int, float] = field(default_factory=dict)
     proposed_pos: dict[int, float] = field(default_factory=dict)
+    # Speculative steps and their seconds by the K they verified (engines that label K; see metrics.md).
+    steps_by_k: dict[int, float] = field(default_factory=dict)
+    seconds_by_k: dict[int, float] = field(default_factory=dict)
 
     def add(self, other: BucketStats) -> None:
         self.steps_plain += other.steps_plain
@@ -96,6 +99,10 @@ class BucketStats:
             self.accepted_pos[pos] = self.accepted_pos.get(pos, 0.0) + v
         for pos, v in other.proposed_pos.items():
             self.proposed_pos[pos] = self.proposed_pos.get(pos, 0.0) + v
+        for k, v in other.steps_by_k.items():
+            self.steps_by_k[k] = self.steps_by_k.get(k, 0.0) + v
+        for k, v in other.seconds_by_k.items():
+            self.seconds_by_k[k] = self.seconds_by_k.get(k, 0.0) + v
 
     @property
     def mal(self) -> float | None:
@@ -233,6 +240,8 @@ def _untaint(obs: PodObservation, tainted: Iterable[tuple]) -> None:
             for b in (s for s in stats if s is not None):
                 for attr in ("steps", "seconds", "tokens"):
                     setattr(b, f"{attr}_{side}", 0.0)
+                if spec:
+                    b.steps_by_k, b.seconds_by_k = {}, {}
         elif what == "drafts":
             b = obs.by_drafter.get(taint[1], {}).get(taint[2])
             if b is not None:
@@ -250,6 +259,11 @@ def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
         return DROP_LABELS
     if (kind in _ENGINE_KINDS or kind in _SPEC_KINDS) and not labels.get("bucket"):
         return DROP_LABELS
+    if kind in _ENGINE_KINDS and labels.get("k"):
+        if not _DECIMAL.fullmatch(labels["k"]):
+            return DROP_LABELS
+        if int(labels["k"]) > MAX_SPECULATIVE_TOKENS:
+            return DROP_IMPLAUSIBLE
     if kind in _POSITION_KINDS:
         position = labels.get("position", "")
         if not _DECIMAL.fullmatch(position):
@@ -274,8 +288,13 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
         if spec and labels.get("drafter"):
             # Speculative steps of one drafter: its step times, even on a pod that switched drafters.
             targets.append(obs.by_drafter.setdefault(labels["drafter"], {}).setdefault(bucket, BucketStats()))
+        k = int(labels.get("k") or 0)
+        by_k = {STEPS: "steps_by_k", STEP_SECONDS: "seconds_by_k"}.get(kind) if spec and k > 0 else None
         for b in targets:
             setattr(b, attr, getattr(b, attr) + value)
+            if by_k is not None:
+                counts = getattr(b, by_k)
+                counts[k] = counts.get(k, 0.0) + value
     elif kind in _SPEC_KINDS:
         # Folded per drafter only; the bucket's totals are summed from the drafters that pass _check.
         obs.bucket(bucket)
@@ -361,6 +380,15 @@ def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
             dropped += 1
             for attr in ("steps", "seconds", "tokens"):
                 setattr(b, f"{attr}_{side}", 0.0)
+    if b.steps_spec == 0:
+        b.steps_by_k, b.seconds_by_k = {}, {}
+    for k in set(b.steps_by_k) | set(b.seconds_by_k):  # the same rules for each K's share
+        steps, seconds = b.steps_by_k.get(k, 0.0), b.seconds_by_k.get(k, 0.0)
+        if steps == 0 or not steps * MIN_STEP_S <= seconds <= steps * MAX_STEP_S:
+            snap.drop(DROP_INCONSISTENT if steps == 0 else DROP_IMPLAUSIBLE)
+            dropped += 1
+            b.steps_by_k.pop(k, None)
+            b.seconds_by_k.pop(k, None)
     return dropped
 
 

@@ -137,6 +137,18 @@ class RatioMemory:
         )
 
 
+def _spec_ratio(prior: StepCostPrior, s: BucketStats, batch: float) -> float:
+    """Measured over predicted time of a bucket's speculative steps. Steps counted by the K they verified
+    are predicted at that K each (a window where K changed is not one step at the mean K); otherwise
+    all run at the mean draft length."""
+    ks = [k for k, n in s.steps_by_k.items() if n > 0 and k in s.seconds_by_k]
+    if sum(s.steps_by_k[k] for k in ks) >= MIN_STEPS:
+        predicted = sum(s.steps_by_k[k] * prior.step_s(batch, k) for k in ks)
+        return sum(s.seconds_by_k[k] for k in ks) / predicted
+    mean_k = max(1, round(s.draft_tokens / s.drafts))
+    return (s.seconds_spec / s.steps_spec) / prior.step_s(batch, mean_k)
+
+
 class CalibratedCost:
     """Step time per bucket and K: the roofline prior scaled by the ratio measured in that bucket.
 
@@ -175,9 +187,8 @@ class CalibratedCost:
             if s.steps_plain >= MIN_STEPS:
                 self.plain_ratio[label] = (s.seconds_plain / s.steps_plain) / prior.step_s(batch, 0)
             if s.steps_spec >= MIN_STEPS and s.drafts > 0:
-                mean_k = max(1, round(s.draft_tokens / s.drafts))
                 spec_batch = min(max(s.drafts / s.steps_spec, lo), hi)
-                self.spec_ratio[label] = (s.seconds_spec / s.steps_spec) / prior.step_s(spec_batch, mean_k)
+                self.spec_ratio[label] = _spec_ratio(prior, s, spec_batch)
         self._plain_default = _median(self.plain_ratio.values(), _median(self.remembered_plain.values(), 1.0))
         # Without speculative measurements of its own, a group borrows how much slower than predicted
         # speculative steps ran in sibling groups (same model and GPU, another drafter): the verify

@@ -41,9 +41,9 @@ def _increase(series: str, by: str, window: str) -> str:
 
 
 def engine_query(window_s: float) -> str:
-    """Steps, step seconds and output tokens per pod, bucket, speculating-or-not and drafter (empty for
-    plain steps)."""
-    w, by = _window(window_s), f"{POD}, bucket, speculating, drafter"
+    """Steps, step seconds and output tokens per pod, bucket, speculating-or-not, drafter (empty for
+    plain steps) and K (the drafts' length the steps verified)."""
+    w, by = _window(window_s), f"{POD}, bucket, speculating, drafter, k"
     parts = [
         _tagged(observations.STEPS, _increase(metric_names.ENGINE_STEPS.series[0], by, w)),
         _tagged(observations.STEP_SECONDS, _increase(metric_names.ENGINE_STEP_SECONDS.series[0], by, w)),
