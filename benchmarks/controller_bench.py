@@ -259,7 +259,9 @@ def _stub_vectors() -> dict[str, bytes]:
             base = {"namespace": ns, "pod": pod}
             for bucket, speculating in (("8", "true"), ("16", "true"), ("32", "false")):
                 steps = rng.uniform(2000, 9000)
-                lab = {**base, "bucket": bucket, "speculating": speculating}
+                # As the engine labels them: speculative steps with their drafter and K, plain with neither.
+                drafter, k = ("eagle3", "4") if speculating == "true" else ("", "0")
+                lab = {**base, "bucket": bucket, "speculating": speculating, "drafter": drafter, "k": k}
                 engine.append((observations.STEPS, lab, steps))
                 engine.append((observations.STEP_SECONDS, lab, steps * 0.012))
                 engine.append(

@@ -15,7 +15,7 @@ from specserve_engine.buckets import bucket_for, bucket_labels
 from specserve_operator.api.models import DrafterSpec, SpeculationSpec, SpeculativeServingSpec
 from specserve_operator.tuner import policy
 from specserve_operator.tuner.costmodel import StepCostPrior, drafter_cost, gpu_spec, known_gpu, model_shape
-from specserve_operator.tuner.observations import BucketStats, FleetSnapshot, PodObservation
+from specserve_operator.tuner.observations import BucketStats, FleetSnapshot, PodObservation, stats_of
 
 # A drafter beats the one in force only by this much predicted goodput (no switching on noise).
 SWITCH_MARGIN = 0.05
@@ -241,7 +241,7 @@ class FleetCosts:
             for group, stats in measured:
                 target = pooled.setdefault(group, {})
                 for label, s in stats.items():
-                    target.setdefault(label, BucketStats()).add(s)
+                    stats_of(target, label).add(s)
         self._pooled = pooled
         groups = set(memory.plain) | set(memory.spec) if memory is not None else set()
         self._remembered = {group: memory.recall(group, now) for group in groups}  # type: ignore[union-attr]
@@ -890,7 +890,7 @@ def _finish(
     by_bucket: dict[str, BucketStats] = {}
     for obs in observations:
         for label, s in obs.by_drafter.get(state.drafter, {}).items():
-            by_bucket.setdefault(label, BucketStats()).add(s)
+            stats_of(by_bucket, label).add(s)
             fleet.add(s)
         if not obs.by_drafter and obs.fallback is not None:
             fleet.add(obs.fallback)
