@@ -782,7 +782,7 @@ def plot_overhead(summary: dict, path: Path) -> None:
     ratios = [v for row in summary.values() for r in row.values() for v in (r["min"], r["max"])]
     ax.set_ylim(min(0.8, min(ratios) - 0.05), max(1.1, max(ratios) + 0.05))
     ax.set_title("Speculation off: cost against vLLM without specserve (median, min-max of rounds)")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
