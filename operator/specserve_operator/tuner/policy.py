@@ -152,11 +152,11 @@ def _spec_ratio(prior: StepCostPrior, s: BucketStats, batch: float) -> float:
 class CalibratedCost:
     """Step time per bucket and K: the roofline prior scaled by the ratio measured in that bucket.
 
-    Plain steps calibrate T(b, 0); speculative steps, at the mean K and batch they ran with, calibrate
-    T(b, K>0). A bucket without its own measurement in the window uses the ratio remembered from an
-    earlier one (`remembered`: plain, speculative), else borrows the median ratio of those measured in
-    the window, else of those remembered: a measurement, however old within the memory's TTL, outranks
-    the prior."""
+    Plain steps calibrate T(b, 0); speculative steps, each at the K it verified (`_spec_ratio`) and the
+    batch they ran with, calibrate T(b, K>0). A bucket without its own measurement in the window uses the
+    ratio remembered from an earlier one (`remembered`: plain, speculative), else borrows the median
+    ratio of those measured in the window, else of those remembered: a measurement, however old within
+    the memory's TTL, outranks the prior."""
 
     def __init__(
         self,
