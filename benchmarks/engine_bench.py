@@ -1,14 +1,16 @@
 """Engine-pod benchmark on the tiny trained models: the sidecar's socket round trip, hot-switch latency
 under load, greedy identity and MAL per drafter and placement, and tokens per second per batch bucket.
 
-    .venv/bin/python benchmarks/engine_bench.py [--out benchmarks/results/engine.json] [--phase overhead]
+    .venv/bin/python benchmarks/engine_bench.py [--out benchmarks/results/engine.json] [--phase PHASE]
 
 Phase 1 starts five real vLLM engines (a stock vLLM without specserve, the "plain" every ratio is
 against; sidecar-hosted drafting through the custom_class proposer; vLLM's own ngram, suffix and
 draft-model drafters, colocated) and one sidecar process. Phase 2 starts the speculator heads vLLM runs
 colocated (EAGLE-3, EAGLE, Medusa on the tiny target; MTP inside the target re-packaged as MiMo) beside a
-stock engine per target. The overhead phase (`--phase overhead` runs it alone and merges it into the
-results) measures engines with speculation off against a stock engine, interleaved round by round.
+stock engine per target (`--phase main` runs phases 1 and 2 alone). The overhead phase (`--phase
+overhead` runs it alone) measures engines with speculation off against a stock engine, in pairs. Each
+phase merges its figures into the results file, keeping those of the others (and of
+benchmarks/sampling_bench.py).
 All on this machine's CPU; writes the JSON results, PNG plots next to them, and tables on stdout.
 """
 
@@ -792,9 +794,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine.json"))
     parser.add_argument(
         "--phase",
-        choices=("all", "overhead"),
+        choices=("all", "main", "overhead"),
         default="all",
-        help="all (default): every phase; overhead: only the off_overhead phase, merged into --out",
+        help="all (default): every phase; main: phases 1 and 2; overhead: only the overhead phase",
     )
     parser.add_argument("--rounds", type=int, default=OVERHEAD_ROUNDS, help="overhead rounds")
     parser.add_argument(
@@ -803,7 +805,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.phase == "all":
+    if args.phase in ("all", "main"):
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
             results = asyncio.run(run(Path(tmp) / "phase1"))
             # One phase at a time: both sets of engines at once would not fit in a small machine's memory.
@@ -815,9 +817,17 @@ def main() -> None:
             "tokens_per_s_colocated_heads (phase 2, its own engines) compares each colocated head with the "
             "stock engine on the same target: plain for EAGLE-3, EAGLE and Medusa; plain-mimo for MTP"
         )
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        kept = json.loads(out.read_text()) if out.exists() else {}
+        overhead_setup = kept.get("setup", {}).get("overhead")
+        kept.update(results)
+        if overhead_setup is not None:
+            kept["setup"]["overhead"] = overhead_setup
+        out.write_text(json.dumps(kept, indent=2) + "\n")
         plot(results, out.with_suffix(".png"))
         print(table(results))
+        if args.phase == "main":
+            print(f"\nwrote {out} and its plot")
+            return
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
         measured = asyncio.run(run_overhead(Path(tmp), args.rounds, args.stretch))
     results = json.loads(out.read_text()) if out.exists() else {}
