@@ -30,6 +30,12 @@ def _valid_status(status: dict[str, Any]) -> None:
     assert rate is None or 0.0 <= rate <= 1.0, fleet
 
 
+def _status_kept(status: dict[str, Any], before: dict[str, Any]) -> None:
+    """The resource's status still names the policy it had `before`, and is valid."""
+    assert (status["policyVersion"], status["kByBucket"]) == (before["policyVersion"], before["kByBucket"])
+    _valid_status(status)
+
+
 async def _start(fleet: ff.Fleet, pods: int = 2, name: str = ff.NAME, **resource: Any) -> list[ff.SidecarPod]:
     """The operator, one resource (auto mode unless told) on the proxy, its pods; wait until healthy."""
     await fleet.start_operator()
@@ -134,12 +140,7 @@ async def test_prometheus(fleet: ff.Fleet, scenario: ff.Scenario, fault: str) ->
     await ff.wait_for(lambda: fleet.events("MetricsUnavailable"), timeout=30)
     await asyncio.sleep(3)  # three more ticks under the fault
     await _unchanged(fleet, before)
-    status = fleet.status()
-    assert (status["policyVersion"], status["kByBucket"]) == (
-        status_before["policyVersion"],
-        status_before["kByBucket"],
-    )
-    _valid_status(status)
+    _status_kept(fleet.status(), status_before)
     assert len(fleet.events("MetricsUnavailable")) == 1  # one Event per outage, not one per tick
     lifted = time.monotonic()
     await fleet.proxy.set_fault(None)
@@ -168,12 +169,7 @@ async def test_prometheus_bad_values(fleet: ff.Fleet, scenario: ff.Scenario, fau
     dropped = await ff.wait_for(lambda: _dropped_rows(fleet, BAD_VALUES[fault]), timeout=30)
     await asyncio.sleep(3)  # three more ticks under the fault
     await _unchanged(fleet, before)
-    status = fleet.status()
-    assert (status["policyVersion"], status["kByBucket"]) == (
-        status_before["policyVersion"],
-        status_before["kByBucket"],
-    )
-    _valid_status(status)
+    _status_kept(fleet.status(), status_before)
     cond = fleet.condition("MetricsAvailable")
     assert cond is not None and cond["status"] == "False", cond
     lifted = time.monotonic()

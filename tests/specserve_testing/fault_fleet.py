@@ -53,7 +53,7 @@ from specserve_operator.tuner import observations
 from specserve_operator.tuner.core import ResourceView
 from specserve_testing import fault_operator
 from specserve_testing.engines import DRAFT, TARGET
-from specserve_testing.kmock_emulator import NAMESPACE, SERVINGS, RVEmulator
+from specserve_testing.kmock_emulator import NAMESPACE, SERVINGS, RVEmulator, pod_object
 from specserve_testing.prometheus import SERIES, openmetrics
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -221,16 +221,6 @@ def sidecar_config_of(emulator: RVEmulator, name: str = NAME) -> SidecarConfig |
         return None
     (text,) = config_map["data"].values()
     return SidecarConfig.model_validate_json(text)
-
-
-def pod_object(name: str, resource_name: str, ip: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": render.common_labels(resource_name)},
-        "spec": {"containers": [{"name": "engine", "image": "engine:test"}]},
-        "status": {"podIP": ip, "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
-    }
 
 
 def loopback_hosts(n: int, taken: set[str]) -> list[str]:

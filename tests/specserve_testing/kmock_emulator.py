@@ -36,6 +36,7 @@ import yaml
 
 from specserve_operator import runner
 from specserve_operator.api import models
+from specserve_operator.render import children as render
 
 SERVINGS = f"{models.GROUP}/{models.VERSION}/{models.PLURAL}"
 SERVICE_MONITORS = "monitoring.coreos.com/v1/servicemonitors"
@@ -89,6 +90,17 @@ class RVEmulator(kmock.KubernetesEmulator):
             if request.name is not None and meta.get("name") != request.name:
                 continue
             yield event
+
+
+def pod_object(name: str, resource_name: str, ip: str) -> dict[str, Any]:
+    """A ready, running engine Pod of a resource, as its Deployment would make it, at address `ip`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": render.common_labels(resource_name)},
+        "spec": {"containers": [{"name": "engine", "image": "engine:test"}]},
+        "status": {"podIP": ip, "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
 
 
 def _merged(old: Any, patch: Any) -> Any:

@@ -24,7 +24,7 @@ from specserve_operator.api import crd
 from specserve_operator.api.models import parse_spec
 from specserve_operator.render import children as render
 from specserve_operator.tuner import timer
-from specserve_testing.kmock_emulator import NAMESPACE, SERVINGS, RVEmulator, eventually
+from specserve_testing.kmock_emulator import NAMESPACE, SERVINGS, RVEmulator, eventually, pod_object
 
 pytestmark = [
     pytest.mark.prometheus,
@@ -66,16 +66,6 @@ def resource(spec_body_factory) -> dict[str, Any]:
         "kind": "SpeculativeServing",
         "metadata": {"name": NAME, "namespace": NAMESPACE},
         "spec": spec,
-    }
-
-
-def _pod(name: str, ip: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": render.common_labels(NAME)},
-        "spec": {"containers": [{"name": "engine", "image": "engine:test"}]},
-        "status": {"podIP": ip, "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
     }
 
 
@@ -122,7 +112,7 @@ async def _start_fleet(emulator: RVEmulator, sidecars, resource: dict[str, Any])
     stands = []
     for pod, host in zip(PODS, _loopback_hosts(), strict=True):
         stands.append(await sidecars(spec=spec, host=host, port=render.SIDECAR_PORT, token=token))
-        await emulator.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=_pod(pod, host))
+        await emulator.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=pod_object(pod, NAME, host))
     return stands
 
 

@@ -288,7 +288,7 @@ class FleetCosts:
             stats: dict[str, BucketStats] = {}
             for label, s in obs.buckets.items():
                 if plain_only:
-                    stats[label] = BucketStats(s.steps_plain, s.seconds_plain, s.tokens_plain)
+                    stats[label] = s.plain_side()
                 else:
                     stats[label] = BucketStats()
                     stats[label].add(s)
@@ -296,19 +296,7 @@ class FleetCosts:
             for name, buckets in labelled.items():
                 if name not in by_name:
                     continue
-                spec = {
-                    label: BucketStats(
-                        steps_spec=b.steps_spec,
-                        seconds_spec=b.seconds_spec,
-                        tokens_spec=b.tokens_spec,
-                        drafts=b.drafts,
-                        draft_tokens=b.draft_tokens,
-                        steps_by_k=dict(b.steps_by_k),
-                        seconds_by_k=dict(b.seconds_by_k),
-                    )
-                    for label, b in buckets.items()
-                    if b.steps_spec > 0
-                }
+                spec = {label: b.spec_side() for label, b in buckets.items() if b.steps_spec > 0}
                 out.append((view.cost_group(by_name[name]), spec))
         return out
 

@@ -116,6 +116,22 @@ class BucketStats:
             _merge(self.steps_by_k, other.steps_by_k)
             _merge(self.seconds_by_k, other.seconds_by_k)
 
+    def plain_side(self) -> BucketStats:
+        """A copy of the plain steps' counters only."""
+        return BucketStats(self.steps_plain, self.seconds_plain, self.tokens_plain)
+
+    def spec_side(self) -> BucketStats:
+        """A copy of the speculative steps' counters, with the drafts that give their batch size."""
+        return BucketStats(
+            steps_spec=self.steps_spec,
+            seconds_spec=self.seconds_spec,
+            tokens_spec=self.tokens_spec,
+            drafts=self.drafts,
+            draft_tokens=self.draft_tokens,
+            steps_by_k=dict(self.steps_by_k),
+            seconds_by_k=dict(self.seconds_by_k),
+        )
+
     @property
     def mal(self) -> float | None:
         """Mean accepted length: tokens per verify step, bonus token included."""
