@@ -4,7 +4,9 @@ domains are sent, replicas share the load, failures are recorded (the real engin
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -13,7 +15,8 @@ from specserve_operator.local.traffic import parse_pattern
 
 
 class CompletionsServer:
-    def __init__(self, fail_prompt: str | None = None) -> None:
+    def __init__(self, fail_prompt: str | None = None, delay: Callable[[], float] = lambda: 0.05) -> None:
+        self.delay = delay
         self.in_flight = 0
         self.peaks: list[tuple[float, int]] = []
         self.prompts: Counter[str] = Counter()
@@ -25,7 +28,7 @@ class CompletionsServer:
         self.in_flight += 1
         self.peaks.append((asyncio.get_running_loop().time(), self.in_flight))
         try:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(self.delay())
         finally:
             self.in_flight -= 1
         if body["prompt"] == self.fail_prompt:
@@ -33,10 +36,10 @@ class CompletionsServer:
         return web.json_response({"usage": {"completion_tokens": body["max_tokens"]}})
 
 
-async def _serve(server: CompletionsServer) -> tuple[web.AppRunner, str]:
+async def _serve(server: CompletionsServer, keep_alive_s: float = 75.0) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_post("/v1/completions", server.handle)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, keepalive_timeout=keep_alive_s)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -103,3 +106,29 @@ async def test_a_run_can_go_to_other_endpoints() -> None:
     assert off and static and all(r.ok and r.replica == "a" for r in off + static)
     assert sum(stock.prompts.values()) == len(off) and max(n for _, n in stock.peaks) == 2
     assert sum(fleet.prompts.values()) == len(static)
+
+
+async def test_no_request_is_sent_on_a_connection_the_server_is_closing() -> None:
+    """After a busy phase one client cycles through every pooled connection (aiohttp reuses the
+    longest-idle first), so each idles for about as long as the server's keep-alive: without a client
+    keep-alive below the server's, a request now and then goes out on a connection the server is closing
+    (connection reset; seen in the fleet test, and here in three runs of four with the client's
+    default). The server's keep-alive is scaled down to keep the test short."""
+    rng = random.Random(1)
+    server = CompletionsServer(delay=lambda: rng.uniform(0.01, 0.1))
+    runner, url = await _serve(server, keep_alive_s=0.3)
+    try:
+        gen = LoadGenerator(
+            endpoints={"a": url}, model="m", prompts={"code": ["x"], "prose": ["y"]}, idle_connection_s=0.15
+        )
+        records = await gen.run("specserve", parse_pattern(",".join(["busy:0.3:6:0,quiet:0.8:1:0"] * 12)))
+    finally:
+        await runner.cleanup()
+    assert len(records) > 400
+    assert [r.error for r in records if not r.ok] == []
+
+
+def test_the_default_client_keep_alive_is_below_the_engines() -> None:
+    from vllm import envs
+
+    assert LoadGenerator.idle_connection_s < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE

@@ -51,6 +51,11 @@ class LoadGenerator:
     prompts: Mapping[str, Sequence[str]]  # domain -> prompts
     max_tokens: int = 64
     request_timeout_s: float = 120.0
+    # Reuse a pooled connection only if it idled less than this: below the engine's own keep-alive
+    # (vLLM's uvicorn closes idle connections after 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE). aiohttp hands
+    # out the longest-idle connection first, so after a busy phase one client cycles through every
+    # pooled connection and can send on one the engine is closing at that moment (a failed request).
+    idle_connection_s: float = 2.0
     seed: int = 0
     records: list[RequestRecord] = field(default_factory=list)
     progress: LoadProgress | None = None
@@ -77,7 +82,7 @@ class LoadGenerator:
         run_records: list[RequestRecord] = []
         rng = random.Random(f"{self.seed}:{label}")
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.idle_connection_s)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
             async def client(index: int) -> None:
