@@ -72,7 +72,9 @@ def _ports(run_dir: Path) -> list[int]:
 
 
 def test_local_fleet_follows_the_load(tmp_path: Path) -> None:
-    proc = _up(tmp_path, "--traffic", TRAFFIC, "--compare-scale", "0.3", "--max-tokens", "48")
+    proc = _up(
+        tmp_path, "--traffic", TRAFFIC, "--compare-scale", "0.3", "--max-tokens", "48", "--sweep-point", "3"
+    )
     output, _ = proc.communicate(timeout=1500)
     assert proc.returncode == 0, output[-4000:]
     (run_dir,) = tmp_path.iterdir()
@@ -84,7 +86,7 @@ def test_local_fleet_follows_the_load(tmp_path: Path) -> None:
     assert "turned back on: **yes**" in md, md
     data = json.loads((report / "data.json").read_text())
     runs = {r["run"] for r in data["records"]}
-    assert runs == {"specserve", "off", "static"}
+    assert runs == {"specserve", "off", "static", "best-static", "sweep"}
     failed = [r for r in data["records"] if not r["ok"]]
     assert not failed, [(r["phase"], r["start_s"], r["error"]) for r in failed[:5]]
     # The plain-decoding run went to the stock vLLM (no specserve), and only that run did.
@@ -94,6 +96,10 @@ def test_local_fleet_follows_the_load(tmp_path: Path) -> None:
     # Speculation was measured: some bucket saw accepted drafts during the controller's run.
     assert max(data["mal_by_bucket"]["specserve"].values()) > 1.0
     assert data["decisions"], "the controller decided nothing"
+    # The best static table was swept on the pod (off and K 1-4, at concurrency 1 and 16) and then run.
+    assert len(data["sweep"]["points"]) == 10 and data["sweep"]["table"]["drafter"] == "tiny-draft"
+    assert all(p["tokens_per_s"] > 0 for p in data["sweep"]["points"])
+    assert "## The best static table" in md and "## Against the goals" in md
     # `specserve status --local` reads the fleet's status file as it would read a cluster's resource.
     shown = subprocess.run(
         [str(SPECSERVE), "status", "--local", str(run_dir), "-o", "json"],

@@ -9,14 +9,17 @@ import pytest
 from specserve_operator.local.loadgen import RequestRecord
 from specserve_operator.local.report import (
     ReportInput,
+    SweepResult,
     controller_verdict,
     load_report_input,
+    phase_goals,
     phase_stats,
     render_markdown,
     speculating_share,
     write_report,
 )
 from specserve_operator.local.samples import DecisionRecord, FleetSample, PodSample
+from specserve_operator.local.sweep import Candidate, Shape, StaticTable, SweepPoint
 from specserve_operator.local.traffic import parse_pattern
 
 PATTERN = parse_pattern("quiet:10:1,busy:10:8,quiet:10:1")
@@ -137,3 +140,48 @@ def test_write_report_writes_plots(tmp_path: Path) -> None:
     for png in md.parent.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert png.stat().st_size > 10_000
+
+
+def _with_best_static() -> ReportInput:
+    """Phase tokens/s: specserve 4.0 / 5.0 / 1.0; plain 8.0 / 6.0 / 0; best static 2.0 / 4.0 / 0."""
+    data = _input()
+    half = PATTERN.scaled(0.5)
+    data.patterns = {**data.patterns, "best-static": half}
+    data.records = [
+        *_records(),
+        RequestRecord("off", "pod-0", "code", "busy", 5.0, 9.0, 30, True),
+        RequestRecord("best-static", "pod-0", "code", "quiet", 0.0, 4.0, 10, True),
+        RequestRecord("best-static", "pod-0", "code", "busy", 5.0, 9.0, 20, True),
+        RequestRecord("specserve", "pod-0", "code", "quiet", 20.0, 25.0, 10, True),
+    ]
+    data.sweep = SweepResult(
+        [
+            SweepPoint(Shape(1, 0.5), Candidate(None, 0), 90.0),
+            SweepPoint(Shape(1, 0.5), Candidate("draft", 2), 120.0),
+        ],
+        StaticTable("draft", {"1": 2, "+Inf": 0}, 1200.0),
+    )
+    return data
+
+
+def test_goals_compare_each_phase_with_the_better_fixed_alternative() -> None:
+    data = _with_best_static()
+    stats = {r: phase_stats(data.records, r, p) for r, p in data.patterns.items()}
+    goals = phase_goals(stats)
+    assert [g.busy for g in goals] == [False, True, False]
+    assert goals[0].of_best_fixed == pytest.approx(4.0 / 8.0) and not goals[0].met
+    assert goals[1].of_best_fixed == pytest.approx(5.0 / 6.0)
+    assert goals[1].of_plain == pytest.approx(5.0 / 6.0)
+    assert goals[2].of_best_fixed is None and not goals[2].met  # nothing finished in the fixed runs' phase
+    assert phase_goals({r: v for r, v in stats.items() if r != "best-static"}) == []
+    md = render_markdown(data, [])
+    assert "| 2. busy (busy) | 0.83 | 0.83 | **no** |" in md
+    assert "**draft**, K by bucket 1: 2, +Inf: 0" in md
+    assert "| concurrency 1, 50% code | draft K=2 | 120.0 |" in md
+
+
+def test_the_sweep_survives_the_data_file(tmp_path: Path) -> None:
+    md = write_report(tmp_path / "report", _with_best_static())
+    again = load_report_input(md.parent / "data.json")
+    assert again.sweep == _with_best_static().sweep
+    assert render_markdown(again, ["x.png"]) == render_markdown(_with_best_static(), ["x.png"])

@@ -32,7 +32,7 @@ from specserve_operator.api.models import (
 from specserve_operator.api.reference import reference_markdown
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p.name != "local-fleet.yaml")
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if not p.name.startswith("local-fleet"))
 SCHEMA = crd.open_api_schema()
 
 

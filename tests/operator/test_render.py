@@ -18,7 +18,7 @@ from specserve_operator.render import children as render
 from specserve_operator.render.sources import resolve_source
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p.name != "local-fleet.yaml")
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if not p.name.startswith("local-fleet"))
 OPTIONS = render.RenderOptions()
 
 

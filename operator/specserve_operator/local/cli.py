@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import time
 from pathlib import Path
 
@@ -21,12 +22,19 @@ from specserve_operator.local.fleet import (
     run_session,
 )
 from specserve_operator.local.plan import FleetPlan
-from specserve_operator.local.report import RUN_OFF, RUN_STATIC, load_report_input, write_report
+from specserve_operator.local.report import (
+    RUN_BEST_STATIC,
+    RUN_OFF,
+    RUN_STATIC,
+    load_report_input,
+    write_report,
+)
 from specserve_operator.local.traffic import TrafficPatternError, parse_pattern
 from specserve_operator.local.view import ViewState, render
 
 # Quiet, then busy well past the cliff measured on a 2-core machine, then quiet again (docs/local-fleet.md).
 DEFAULT_TRAFFIC = "quiet:60s:1,busy:90s:16,quiet:60s:1"
+COMPARISON_RUNS = (RUN_OFF, RUN_STATIC, RUN_BEST_STATIC)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -47,9 +55,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--compare",
-        default=f"{RUN_OFF},{RUN_STATIC}",
-        help="comparison runs after the controller's run: off (plain decoding on a stock vLLM per "
-        "replica), static, both (default) or none",
+        default=",".join(COMPARISON_RUNS),
+        help="comparison runs after the controller's run, comma-separated: off (plain decoding on a stock "
+        "vLLM per replica), static (the first drafter at its maximum K), best-static (the best static "
+        "table for this traffic, from a sweep on the same pods); or none (default: %(default)s)",
+    )
+    up.add_argument(
+        "--sweep-point",
+        type=float,
+        default=8.0,
+        help="seconds each candidate runs each traffic shape in the best-static sweep (default: %(default)s)",
     )
     up.add_argument(
         "--compare-scale",
@@ -97,11 +112,12 @@ def options_from_args(args: argparse.Namespace) -> UpOptions:
     except TrafficPatternError as exc:
         raise LocalFleetError(f"--traffic: {exc}", hint=f"e.g. --traffic {DEFAULT_TRAFFIC}") from None
     compare = tuple(c for c in args.compare.split(",") if c and c != "none")
-    if args.compare == "both":
-        compare = (RUN_OFF, RUN_STATIC)
     for c in compare:
-        if c not in (RUN_OFF, RUN_STATIC):
-            raise LocalFleetError(f"--compare: unknown run {c!r}", hint="use off, static, both or none")
+        if c not in COMPARISON_RUNS:
+            runs = ", ".join(COMPARISON_RUNS)
+            raise LocalFleetError(f"--compare: unknown run {c!r}", hint=f"use {runs} or none")
+    if args.sweep_point <= 0 or not math.isfinite(args.sweep_point):
+        raise LocalFleetError("--sweep-point: must be a positive number of seconds")
     if args.compare_scale <= 0:
         raise LocalFleetError("--compare-scale: must be > 0")
     if args.controller_window < 5:
@@ -124,6 +140,7 @@ def options_from_args(args: argparse.Namespace) -> UpOptions:
         prometheus_port=args.prometheus_port,
         kv_cache_gib=args.kv_cache_gib,
         window_s=args.controller_window,
+        sweep_point_s=args.sweep_point,
     )
 
 

@@ -4,7 +4,8 @@ Each replica is a real `vllm serve` (B's launcher) and a real sidecar; a real Pr
 the operator's controller decides every evaluationInterval and pushes policies over the sidecars' HTTP
 API; the built-in load generator sends the traffic pattern. Then the same traffic runs briefly with
 plain decoding on a stock vLLM per replica (no specserve flags, plugins or drafter: vLLM as users start it)
-and with static speculation, for comparison, and a report is written.
+with static speculation, and with the best static table for this traffic (measured by a sweep on the same
+pods), for comparison, and a report is written.
 
 Everything started lives in its own process group and is stopped in `finally`, Ctrl-C included.
 """
@@ -38,16 +39,27 @@ from specserve_operator.local.plan import FleetPlan, load_manifest, plan_fleet
 from specserve_operator.local.prometheus import PrometheusError, PrometheusProcess
 from specserve_operator.local.prompts import load_prompts
 from specserve_operator.local.report import (
+    RUN_BEST_STATIC,
     RUN_OFF,
     RUN_SPECSERVE,
     RUN_STATIC,
+    RUN_SWEEP,
     ReportInput,
+    SweepResult,
     write_report,
 )
 from specserve_operator.local.rules import usable_rule_files
 from specserve_operator.local.samples import DecisionRecord, FleetSample
 from specserve_operator.local.status_file import record_tick
-from specserve_operator.local.traffic import TrafficPattern
+from specserve_operator.local.sweep import (
+    Candidate,
+    Shape,
+    SweepPoint,
+    best_static_table,
+    sweep_candidates,
+    sweep_shapes,
+)
+from specserve_operator.local.traffic import Phase, TrafficPattern
 from specserve_operator.local.view import ViewState
 from specserve_operator.tuner.core import ResourceView
 from specserve_operator.tuner.loop import FleetController
@@ -68,7 +80,7 @@ class UpOptions:
     out_dir: Path
     models_dir: Path = DEFAULT_MODELS_DIR
     replicas: int | None = None
-    compare: tuple[str, ...] = (RUN_OFF, RUN_STATIC)
+    compare: tuple[str, ...] = (RUN_OFF, RUN_STATIC, RUN_BEST_STATIC)
     compare_scale: float = 0.5
     max_tokens: int = 64
     prometheus_port: int | None = None
@@ -78,6 +90,7 @@ class UpOptions:
     # two; long enough that a bucket switched off keeps its measured step times until load changes.
     window_s: float = 60.0
     settle_s: float = 3.0  # quiet gap between two runs, so one run's requests do not leak into the next
+    sweep_point_s: float = 8.0  # how long each candidate runs each traffic shape in the best-static sweep
     seed: int = 0
 
 
@@ -326,22 +339,71 @@ async def _controller_loop(s: Session, controller: FleetController, token: str) 
         s.on_change()
 
 
-async def _push_fixed(s: Session, clients: dict[str, SidecarClient]) -> None:
-    """The static-speculation run's fixed policy: the initial drafter at its maximum K in every bucket."""
-    spec = s.plan.spec
-    drafter = spec.initial_drafter
-    if drafter is None:
-        raise LocalFleetError("static speculation needs a drafter", hint="add one to spec.drafters")
+POLICY_IN_FORCE_TIMEOUT_S = 120.0  # a model drafter's first use loads and warms it
+
+
+async def _apply_everywhere(
+    clients: dict[str, SidecarClient], drafter: str, mode: str, k_for: Callable[[str], int], what: str
+) -> None:
+    """Put one policy on every pod and wait until each sidecar has it in force."""
     for pod, client in clients.items():
         state = await client.state()
-        table = dict.fromkeys(state.k_by_bucket, drafter.max_speculative_tokens)
-        policy = PolicyRequest(
-            policyVersion=state.policy_version + 1, drafter=drafter.name, mode="on", kByBucket=table
-        )
+        version = state.policy_version + 1
+        table = {bucket: k_for(bucket) for bucket in state.k_by_bucket}
+        policy = PolicyRequest(policyVersion=version, drafter=drafter, mode=mode, kByBucket=table)
         try:
             await client.put_policy(policy)
         except SidecarError as exc:
-            raise LocalFleetError(f"{pod}: the sidecar refused the static policy: {exc}") from None
+            raise LocalFleetError(f"{pod}: the sidecar refused the {what} policy: {exc}") from None
+        deadline = time.monotonic() + POLICY_IN_FORCE_TIMEOUT_S
+        while (await client.state()).policy_version != version:
+            if time.monotonic() > deadline:
+                raise LocalFleetError(
+                    f"{pod}: the {what} policy was not in force after {POLICY_IN_FORCE_TIMEOUT_S:.0f} s"
+                )
+            await asyncio.sleep(0.05)
+
+
+async def _push_fixed(s: Session, clients: dict[str, SidecarClient]) -> None:
+    """The static-speculation run's fixed policy: the initial drafter at its maximum K in every bucket."""
+    drafter = s.plan.spec.initial_drafter
+    if drafter is None:
+        raise LocalFleetError("static speculation needs a drafter", hint="add one to spec.drafters")
+    max_k = drafter.max_speculative_tokens
+    await _apply_everywhere(clients, drafter.name, "on", lambda _: max_k, "static")
+
+
+async def _sweep(
+    s: Session, loadgen: LoadGenerator, clients: dict[str, SidecarClient], pattern: TrafficPattern
+) -> SweepResult:
+    """Measure off and every drafter at every K on each shape of the pattern, on the fleet's own pods, and
+    pick the best static table in hindsight (local/sweep.py)."""
+    spec = s.plan.spec
+    candidates = sweep_candidates({d.name: d.max_speculative_tokens for d in spec.drafters})
+    first = spec.drafters[0].name
+    points: list[SweepPoint] = []
+    for shape in sweep_shapes(pattern):
+        for candidate in candidates:
+            k = candidate.k
+            await _apply_everywhere(
+                clients, candidate.drafter or first, "on" if k else "off", lambda _, k=k: k, "sweep"
+            )
+            phase = Phase(RUN_SWEEP, s.opts.sweep_point_s, shape.concurrency, shape.code_fraction)
+            s.say(f"sweep: {_candidate_name(candidate)} at {_shape_name(shape)}")
+            records = await loadgen.run(RUN_SWEEP, TrafficPattern((phase,)))
+            tokens = sum(r.completion_tokens for r in records if r.ok and r.end_s < s.opts.sweep_point_s)
+            points.append(SweepPoint(shape, candidate, tokens / s.opts.sweep_point_s))
+    table = best_static_table(points, pattern, spec.speculation.batch_buckets)
+    s.say(f"best static table: {table.drafter} {table.k_by_bucket}")
+    return SweepResult(points, table)
+
+
+def _candidate_name(c: Candidate) -> str:
+    return f"{c.drafter} K={c.k}" if c.drafter else "off"
+
+
+def _shape_name(shape: Shape) -> str:
+    return f"concurrency {shape.concurrency}, {shape.code_fraction:.0%} code"
 
 
 async def _run_traffic(
@@ -374,6 +436,7 @@ async def run_session(s: Session, rt: FleetRuntime) -> Path:
     token = plan.token_file.read_text().strip()
     windows: dict[str, tuple[float, float]] = {}
     patterns: dict[str, TrafficPattern] = {}
+    sweep: SweepResult | None = None
     async with aiohttp.ClientSession() as http:
         clients = {r.name: SidecarClient(r.sidecar_url, token, http) for r in plan.replicas}
         observer = FleetObserver(
@@ -398,6 +461,12 @@ async def run_session(s: Session, rt: FleetRuntime) -> Path:
             for label, pattern in runs:
                 if label == RUN_STATIC:
                     await _push_fixed(s, clients)
+                if label == RUN_BEST_STATIC:
+                    sweep = await _sweep(s, loadgen, clients, pattern)
+                    table = sweep.table
+                    await _apply_everywhere(
+                        clients, table.drafter, "on", table.k_by_bucket.__getitem__, "best static"
+                    )
                 # Recorded before the run, so that a Ctrl-C in the middle still reports what ran.
                 windows[label] = (time.time(), math.inf)
                 patterns[label] = pattern
@@ -426,6 +495,7 @@ async def run_session(s: Session, rt: FleetRuntime) -> Path:
                         mal_by_bucket=mal,
                         steps_by_bucket=steps,
                         facts=_facts(plan, opts),
+                        sweep=sweep,
                     ),
                 )
                 if patterns

@@ -11,16 +11,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from specserve_operator.local.report import (
+    RUN_BEST_STATIC,
     RUN_OFF,
     RUN_ORDER,
     RUN_SPECSERVE,
+    RUN_STATIC,
     RUN_TITLES,
     ReportInput,
     bucket_sort_key,
     phase_stats,
 )
 
-RUN_COLORS = {RUN_SPECSERVE: "tab:green", "off": "tab:gray", "static": "tab:orange"}
+RUN_COLORS = {
+    RUN_SPECSERVE: "tab:green",
+    RUN_OFF: "tab:gray",
+    RUN_STATIC: "tab:orange",
+    RUN_BEST_STATIC: "tab:blue",
+}
 
 
 def draw_all(folder: Path, data: ReportInput) -> list[str]:

@@ -7,24 +7,32 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specserve_engine.buckets import INF
 from specserve_operator.local.loadgen import RequestRecord
 from specserve_operator.local.samples import DecisionRecord, FleetSample, to_jsonable
+from specserve_operator.local.sweep import StaticTable, SweepPoint
 from specserve_operator.local.traffic import TrafficPattern
 
 # The runs of a session, in the order they are run and shown.
 RUN_SPECSERVE = "specserve"
 RUN_OFF = "off"
 RUN_STATIC = "static"
-RUN_ORDER = (RUN_SPECSERVE, RUN_OFF, RUN_STATIC)
+RUN_BEST_STATIC = "best-static"
+RUN_ORDER = (RUN_SPECSERVE, RUN_OFF, RUN_STATIC, RUN_BEST_STATIC)
 RUN_TITLES = {
     RUN_SPECSERVE: "specserve (live controller)",
     RUN_OFF: "plain decoding (stock vLLM)",
     RUN_STATIC: "static speculation (max K everywhere)",
+    RUN_BEST_STATIC: "best static table (sweep, in hindsight)",
 }
+RUN_SWEEP = "sweep"  # the requests that measured the best static table's candidates (not a run of its own)
+# Goals for the controller on real engines (docs/local-fleet.md, "Against the goals"): in every phase at
+# least this share of the better fixed alternative, and in busy phases of plain decoding.
+GOAL_OF_BEST_FIXED = 0.95
+GOAL_OF_PLAIN_WHEN_BUSY = 0.98
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,49 @@ def controller_verdict(
     )
 
 
+@dataclass(frozen=True)
+class SweepResult:
+    points: Sequence[SweepPoint]
+    table: StaticTable
+
+
+@dataclass(frozen=True)
+class PhaseGoal:
+    index: int
+    phase: str
+    busy: bool  # the pattern's highest concurrency
+    of_best_fixed: float | None  # specserve / the better of plain decoding and the best static table
+    of_plain: float | None
+
+    @property
+    def met(self) -> bool:
+        ok = self.of_best_fixed is not None and self.of_best_fixed >= GOAL_OF_BEST_FIXED
+        if self.busy:
+            ok = ok and self.of_plain is not None and self.of_plain >= GOAL_OF_PLAIN_WHEN_BUSY
+        return ok
+
+
+def phase_goals(stats: Mapping[str, Sequence[PhaseStat]]) -> list[PhaseGoal]:
+    """Per phase, specserve's tokens/s against plain decoding and the best static table; empty unless the
+    session ran all three."""
+    if not all(r in stats for r in (RUN_SPECSERVE, RUN_OFF, RUN_BEST_STATIC)):
+        return []
+    peak = max(p.concurrency for p in stats[RUN_SPECSERVE])
+    goals = []
+    for mine, plain, best in zip(stats[RUN_SPECSERVE], stats[RUN_OFF], stats[RUN_BEST_STATIC], strict=True):
+        fixed = max(plain.tokens_per_s, best.tokens_per_s)
+        goals.append(
+            PhaseGoal(
+                index=mine.index,
+                phase=mine.phase,
+                busy=mine.concurrency == peak,
+                of_best_fixed=mine.tokens_per_s / fixed if fixed > 0 else None,
+                of_plain=mine.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 else None,
+            )
+        )
+    return goals
+
+
 @dataclass
 class ReportInput:
     title: str
@@ -143,6 +194,7 @@ class ReportInput:
     mal_by_bucket: Mapping[str, Mapping[str, float]]  # run -> bucket -> MAL over the run
     steps_by_bucket: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # run -> bucket -> steps
     facts: Mapping[str, str] = field(default_factory=dict)  # model, drafters, replicas, machine ...
+    sweep: SweepResult | None = None  # how the best static table was chosen, when that run was asked for
 
 
 def bucket_sort_key(bucket: str) -> float:
@@ -193,6 +245,43 @@ def render_markdown(data: ReportInput, images: Sequence[str]) -> str:
     failed = {r: sum(s.failed for s in stats[r]) for r in runs}
     total = {r: sum(s.requests for s in stats[r]) for r in runs}
     lines += ["Requests: " + ", ".join(f"{r} {total[r]} ({failed[r]} failed)" for r in runs), ""]
+    goals = phase_goals(stats)
+    if goals:
+        lines += [
+            "## Against the goals",
+            "",
+            f"specserve's tokens/s over the better of plain decoding and the best static table (goal >= "
+            f"{GOAL_OF_BEST_FIXED}), and over plain decoding (goal >= {GOAL_OF_PLAIN_WHEN_BUSY} in the "
+            "busy phases):",
+            "",
+            "| phase | of the better fixed | of plain | met |",
+            "|---|---|---|---|",
+        ]
+        for g in goals:
+            lines.append(
+                f"| {g.index + 1}. {g.phase}{' (busy)' if g.busy else ''} | {_num(g.of_best_fixed)} | "
+                f"{_num(g.of_plain)} | {'yes' if g.met else '**no**'} |"
+            )
+        lines.append("")
+    if data.sweep is not None:
+        t = data.sweep.table
+        table = ", ".join(f"{b}: {k}" for b, k in t.k_by_bucket.items())
+        lines += [
+            "## The best static table",
+            "",
+            f"Chosen from {len(data.sweep.points)} measurements on the same pods (off, and every drafter "
+            f"at every K, on each traffic shape): **{t.drafter}**, K by bucket {table}.",
+            "",
+            "| shape | candidate | tokens/s |",
+            "|---|---|---|",
+        ]
+        for pt in data.sweep.points:
+            name = f"{pt.candidate.drafter} K={pt.candidate.k}" if pt.candidate.drafter else "off"
+            lines.append(
+                f"| concurrency {pt.shape.concurrency}, {pt.shape.code_fraction:.0%} code | {name} | "
+                f"{pt.tokens_per_s:.1f} |"
+            )
+        lines.append("")
     if data.mal_by_bucket:
         lines += ["## Mean accepted length per batch-size bucket", ""]
         buckets = sorted({b for m in data.mal_by_bucket.values() for b in m}, key=bucket_sort_key)
@@ -243,6 +332,7 @@ def write_report(folder: Path, data: ReportInput) -> Path:
                 "samples": to_jsonable(list(data.samples)),
                 "decisions": to_jsonable(list(data.decisions)),
                 "records": to_jsonable(list(data.records)),
+                "sweep": asdict(data.sweep) if data.sweep is not None else None,
             },
             indent=1,
         )
@@ -274,4 +364,14 @@ def load_report_input(data_json: Path) -> ReportInput:
         mal_by_bucket=raw["mal_by_bucket"],
         steps_by_bucket=raw.get("steps_by_bucket", {}),
         facts=raw.get("facts", {}),
+        sweep=_sweep_from(raw["sweep"]) if raw.get("sweep") else None,
     )
+
+
+def _sweep_from(raw: dict) -> SweepResult:
+    from specserve_operator.local.sweep import Candidate, Shape
+
+    points = [
+        SweepPoint(Shape(**p["shape"]), Candidate(**p["candidate"]), p["tokens_per_s"]) for p in raw["points"]
+    ]
+    return SweepResult(points, StaticTable(**raw["table"]))
