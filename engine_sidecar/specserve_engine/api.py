@@ -112,3 +112,6 @@ class SidecarConfig(_Wire):
     engine_url: str = Field(alias="engineUrl", default="http://127.0.0.1:8000")
     warmup_requests: int = Field(alias="warmupRequests", default=50, ge=0)
     initial_policy: PolicyRequest = Field(alias="initialPolicy")
+    # Share of each engine connection's wall time the loaded drafters not in force may spend drafting in
+    # the shadow (shadow.py); 0 turns shadow drafting off.
+    shadow_share: float = Field(alias="shadowShare", default=0.05, ge=0.0, le=0.5, allow_inf_nan=False)

@@ -1,6 +1,7 @@
 """The sidecar's draft socket server: `drafts.sock` in the runtime dir (wire format in draft_protocol.py,
 described in docs/sidecar.md, "The draft socket"). One thread per engine connection keeps that
-connection's token table and answers each engine step with the drafts the service gives for it.
+connection's token table and answers each engine step with the drafts the service gives for it, then
+gives the service its shadow pass (shadow.py) while the engine verifies.
 
 At most `MAX_CONNECTIONS` connections are served at once (further ones are closed on accept), and one
 that sends nothing for `IDLE_TIMEOUT_S` is closed: the proposer reconnects on its next call. Anything
@@ -55,6 +56,8 @@ class SequenceTable:
 
     connection: int
     rows: dict[int, _Row] = field(default_factory=dict)
+    # The rows of the last call, each with the most tokens the engine lets it draft (for shadow drafts).
+    last_rows: list[tuple[Seq, int]] = field(default_factory=list)
 
     def update(self, u: RowUpdate) -> Seq | None:
         row = self.rows.get(u.row)
@@ -139,6 +142,7 @@ class DraftSocketServer:
                 req = decode_request(body)
                 answers = self.service.answer(table, req.rows, req.batch_size)
                 conn.sendall(encode_response(DraftResponse(req.call_id, answers)))
+                self.service.shadow_pass(table)  # after the answer: the engine's step does not wait
         except (OSError, ConnectionError, ProtocolError) as exc:  # TimeoutError: idle too long
             if not self._stopping:
                 log.info("engine connection %d closed: %r", table.connection, exc)

@@ -116,6 +116,19 @@ SIDECAR_DRAFTER_ERRORS = Metric(
     (DRAFTER,),
     "Draft calls on which the drafter raised (that step got no drafts).",
 )
+SIDECAR_SHADOW_PROPOSED = Metric(
+    "specserve_sidecar_shadow_proposed",
+    "counter",
+    (DRAFTER, POSITION),
+    "Shadow drafts (by a loaded drafter not in force, scored against the engine's next tokens) with a "
+    "token at this position (0-based).",
+)
+SIDECAR_SHADOW_ACCEPTED = Metric(
+    "specserve_sidecar_shadow_accepted",
+    "counter",
+    (DRAFTER, POSITION),
+    "Shadow drafts whose tokens up to and including this position (0-based) all matched the engine's.",
+)
 
 # --- operator ---------------------------------------------------------------------------------------
 OPERATOR_DECISIONS = Metric(
@@ -157,6 +170,8 @@ SPECSERVE_METRICS: tuple[Metric, ...] = (
     SIDECAR_SWITCHES,
     SIDECAR_DRAFT_SECONDS,
     SIDECAR_DRAFTER_ERRORS,
+    SIDECAR_SHADOW_PROPOSED,
+    SIDECAR_SHADOW_ACCEPTED,
     OPERATOR_DECISIONS,
     OPERATOR_TICK_SECONDS,
     OPERATOR_RECOMMENDED_K,

@@ -11,6 +11,9 @@ Each drafter has its own lock (its per-sequence state takes one call at a time),
 never delays the draft calls of another. A drafter that raises costs that step's drafts; after
 `MAX_CONSECUTIVE_DRAFTER_ERRORS` calls in a row it is marked failed and drafts nothing until a new
 policy names it again (it is then re-loaded and warmed first).
+
+After each answer has gone out, the loaded drafters not in force may draft for a few rows in the shadow
+(shadow.py), within a share of the connection's time, so their acceptance on the live traffic is known.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from specserve_engine.buckets import bucket_labels
 from specserve_engine.draft_protocol import RowAnswer, RowStatus, RowUpdate
 from specserve_engine.drafters import Drafter, DrafterError, Seq, build_drafter
 from specserve_engine.policy_file import PodPolicy, write_policy
+from specserve_engine.shadow import ShadowDrafts
 
 if TYPE_CHECKING:
     from specserve_engine.draft_socket import SequenceTable
@@ -119,9 +123,19 @@ class SidecarMetrics:
             registry=self.registry,
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
         )
+        m = metric_names.SIDECAR_SHADOW_PROPOSED
+        self.shadow_proposed = Counter(m.name, m.help, m.labels, registry=self.registry)
+        m = metric_names.SIDECAR_SHADOW_ACCEPTED
+        self.shadow_accepted = Counter(m.name, m.help, m.labels, registry=self.registry)
         self.labels = bucket_labels(bucket_bounds)
         # The policy changes on the event loop, a drafter fails on a draft thread.
         self._show_lock = threading.Lock()
+
+    def shadow_scored(self, drafter: str, length: int, matched: int) -> None:
+        for pos in range(length):
+            self.shadow_proposed.labels(drafter, str(pos)).inc()
+        for pos in range(matched):
+            self.shadow_accepted.labels(drafter, str(pos)).inc()
 
     def show(self, policy: PolicyRequest, drafter_status: DrafterStatus) -> None:
         with self._show_lock:
@@ -168,6 +182,8 @@ class SidecarService:
         # scrapes must show as an increase, not as a new series whose first sample is already 10.
         for name in self.drafters:
             self.metrics.drafter_errors.labels(name)
+        self._shadows: dict[int, ShadowDrafts] = {}  # engine connection → its shadow drafts
+        self._shadow_failed: set[str] = set()  # drafters whose shadow pass raised (logged once each)
         self.warm = False
         self.engine_reachable = False
         self.pending: PolicyRequest | None = None
@@ -372,11 +388,13 @@ class SidecarService:
         seqs: list[Seq] = []
         ks: list[int] = []
         where: list[int] = []
+        table.last_rows = []
         for i, row in enumerate(rows):
             seq = table.update(row)
             if seq is None:
                 answers[i] = RowAnswer(RowStatus.RESYNC, [])
                 continue
+            table.last_rows.append((seq, row.max_k))
             row_k = min(k, row.max_k)
             if drafter is not None and row_k > 0:
                 seqs.append(seq)
@@ -436,7 +454,32 @@ class SidecarService:
         )
         self._show_policy()
 
+    def shadow_pass(self, table: SequenceTable) -> None:
+        """After an answer went out: score the connection's pending shadow drafts against the rows' new
+        tokens, then, when its time budget allows, let the loaded drafters not in force draft for a few
+        rows (shadow.py). A shadow drafter that raises costs its shadow pass, never the connection."""
+        if self.config.shadow_share <= 0 or not table.last_rows:
+            return
+        shadow = self._shadows.get(table.connection)
+        if shadow is None:
+            shadow = self._shadows[table.connection] = ShadowDrafts(
+                self.metrics.shadow_scored, self._shadow_raised, share=self.config.shadow_share
+            )
+        shadow.score([seq for seq, _ in table.last_rows])
+        if not shadow.due():
+            return
+        live = self.in_force.request.drafter
+        others = [d for n, d in self.drafters.items() if n != live and self.status[n][0] == "loaded"]
+        if others:
+            shadow.draft(others, table.last_rows, self.locks)
+
+    def _shadow_raised(self, name: str, exc: Exception) -> None:
+        if name not in self._shadow_failed:
+            self._shadow_failed.add(name)
+            log.error("drafter %s raised drafting in the shadow (logged once)", name, exc_info=exc)
+
     def forget(self, connection: int) -> None:
+        self._shadows.pop(connection, None)
         for drafter in self.drafters.values():
             with self.locks[drafter.name]:
                 drafter.forget(connection)

@@ -280,6 +280,8 @@ async def test_deleted_and_recreated_resource(fleet: ff.Fleet, scenario: ff.Scen
     assert traffic.missed == 0 and traffic.calls > 0
     new_token = ff.token_of(fleet.emulator)
     assert new_token and new_token != old_token
+    # The status is written after the push: wait for it (an old resource's state would show 4 or more).
+    await ff.wait_for(lambda: fleet.status().get("policyVersion") == 1, timeout=30, interval=0.2)
     status = fleet.status()
     assert status["policyVersion"] == 1, status  # not continued from the old resource's state
     assert all(s["policyVersion"] == 1 for s in states)

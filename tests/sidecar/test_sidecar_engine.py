@@ -28,6 +28,7 @@ from specserve_testing.engines import (
     complete_many,
     prompts,
     scrape,
+    scrape_url,
 )
 from specserve_testing.sampling_checks import assert_lossless, sampling_run
 from specserve_testing.sampling_stats import SETTINGS
@@ -263,3 +264,68 @@ async def test_sampling_is_lossless_with_the_sidecars_model_drafters(sidecar_pod
         runs += [await sampling_run(sidecar_pod.engine, s, f"{drafter} (sidecar)") for s in SETTINGS]
     await sidecar_pod.apply("ngram")
     assert_lossless(runs)
+
+
+async def _positions(url: str, prefix: str, drafter: str) -> dict[str, dict[int, float]]:
+    """Per-position counts of one drafter from a /metrics endpoint, summed over other labels: `proposed`
+    and `accepted` (the engine's live per-position counters, or the sidecar's shadow ones)."""
+    names = {
+        "specserve_spec": ("specserve_spec_draft_tokens_per_position_total",
+                           "specserve_spec_accepted_tokens_per_position_total"),
+        "specserve_sidecar_shadow": ("specserve_sidecar_shadow_proposed_total",
+                                     "specserve_sidecar_shadow_accepted_total"),
+    }[prefix]  # fmt: skip
+    out: dict[str, dict[int, float]] = {"proposed": {}, "accepted": {}}
+    for (name, labels), value in (await scrape_url(url)).items():
+        lab = dict(labels)
+        if lab.get("drafter") != drafter or name not in names:
+            continue
+        key = "proposed" if name == names[0] else "accepted"
+        pos = int(lab["position"])
+        out[key][pos] = out[key].get(pos, 0.0) + value
+    return out
+
+
+def _delta(after: dict[str, dict[int, float]], before: dict[str, dict[int, float]]) -> dict[str, dict]:
+    return {k: {p: v - before[k].get(p, 0.0) for p, v in after[k].items()} for k in after}
+
+
+SHADOW_TOKENS = 160  # long answers: enough shadow drafts to score
+
+
+async def _one_at_a_time(pod: SidecarPod, texts: list[str]) -> None:
+    """Requests in turn: a batch of one, which the shadow follows whole (it follows up to 4 rows)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for text in texts:
+            await complete(session, pod.engine, text, SHADOW_TOKENS)
+
+
+async def test_shadow_drafts_measure_a_drafter_not_in_force_as_it_measures_live(
+    sidecar_pod: SidecarPod,
+) -> None:
+    """With the draft model in force the sidecar scores n-gram's shadow drafts on the same requests; their
+    acceptance at the first position is what n-gram then measures live on the same prompts (greedy: the
+    same tokens either way; the drafts start at other positions, so the two agree within sampling)."""
+    code = prompts("code")
+    await sidecar_pod.apply("tiny-draft")
+    url = sidecar_pod.sidecar.url
+    before = await _positions(url, "specserve_sidecar_shadow", "ngram")
+    in_force_before = await _positions(url, "specserve_sidecar_shadow", "tiny-draft")
+    await _one_at_a_time(sidecar_pod, code)
+    shadow = _delta(await _positions(url, "specserve_sidecar_shadow", "ngram"), before)
+    assert shadow["proposed"].get(0, 0) >= 20, shadow
+    assert all(shadow["accepted"].get(p, 0) <= n for p, n in shadow["proposed"].items()), shadow
+    in_force = _delta(await _positions(url, "specserve_sidecar_shadow", "tiny-draft"), in_force_before)
+    assert not any(in_force["proposed"].values())  # the drafter in force is measured live, not in the shadow
+    await sidecar_pod.apply("ngram")
+    engine_url = sidecar_pod.engine.url
+    before = await _positions(engine_url, "specserve_spec", "ngram")
+    await _one_at_a_time(sidecar_pod, code)
+    live = _delta(await _positions(engine_url, "specserve_spec", "ngram"), before)
+    shadow_first = shadow["accepted"].get(0, 0) / shadow["proposed"][0]
+    live_first = live["accepted"].get(0, 0) / live["proposed"][0]
+    print(
+        f"n-gram first-position acceptance: shadow {shadow_first:.3f} of {shadow['proposed'][0]:.0f}, "
+        f"live {live_first:.3f} of {live['proposed'][0]:.0f}"
+    )
+    assert abs(shadow_first - live_first) < 0.1

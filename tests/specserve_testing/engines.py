@@ -170,12 +170,20 @@ async def complete_many(
         )
 
 
-async def scrape(engine: RunningEngine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(engine: RunningEngine) -> Samples:
     """The engine's /metrics as {(sample name, sorted labels): value}."""
-    async with aiohttp.ClientSession() as session, session.get(f"{engine.url}/metrics") as resp:
+    return await scrape_url(engine.url)
+
+
+async def scrape_url(url: str) -> Samples:
+    """A /metrics endpoint (an engine's, a sidecar's) as {(sample name, sorted labels): value}."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
         resp.raise_for_status()
         text = await resp.text()
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value

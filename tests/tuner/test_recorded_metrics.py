@@ -98,6 +98,9 @@ def test_a_decision_from_a_real_engines_metrics_through_a_real_prometheus(promet
     # The sidecar's policy info: suffix put in force by the recording's second policy.
     assert (obs.drafter, obs.mode, obs.policy_version) == ("suffix", "on", 3)
     assert set(obs.by_drafter) == {"ngram", "suffix"}
+    # Each of the two was also scored in the shadow while the other was in force.
+    assert set(obs.shadow) == {"ngram", "suffix"}
+    assert all(s.proposed_pos.get(0, 0) > 0 for s in obs.shadow.values())
     # The window sees half of the recorded increase (linear over 600 s, 300 s window).
     end, _ = _samples("engine_end.prom")
     steps = sum(v for (name, _), v in end.items() if name == metric_names.ENGINE_STEPS.series[0])

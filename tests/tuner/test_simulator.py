@@ -309,3 +309,27 @@ def test_simulate_command(tmp_path: Path, capsys) -> None:
     assert "specserve" in printed and "oracle" in printed and out.exists()
     assert json.loads(out.read_text())["truth"] == "gpu"
     assert specserve(["simulate", "--trace", str(tmp_path / "missing.csv")]) == 2
+
+
+def test_shadow_drafts_bring_the_fleet_to_the_drafter_the_traffic_turned_to(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Prose-like, then code-like traffic: n-gram, which a trial measured poorly on prose (demoted), is
+    measured on the code by its shadow drafts, reinstated and switched to; without shadow drafts the fleet
+    keeps the draft model for the hour the demotion lasts."""
+    write_trace(tmp_path / "mix.csv", [(0.0, 2.0, 0.0), (900.0, 2.0, 1.0), (2700.0, 2.0, 1.0)])
+    trace = load_trace(tmp_path / "mix.csv", tail_s=0.0)
+    cfg = SimConfig(pods=2, policies=("static_on", "specserve"))
+
+    def run() -> tuple[FleetSim, dict]:
+        sim = FleetSim(cfg, trace)
+        return sim, {name: r.summary(trace.duration_s) for name, r in sim.run().items()}
+
+    sim, s = run()
+    switches = [(t, d) for t, d in sim.decisions if d.action == "switchDrafter"]
+    assert switches and switches[0][1].drafter == "ngram" and "shadow" in switches[0][1].reason
+    assert 900 < switches[0][0] <= 900 + 4 * cfg.evaluation_interval_s
+    monkeypatch.setattr(fleet, "SHADOW_ROWS", 0)
+    blind, s_blind = run()
+    assert not any(d.action == "switchDrafter" for _, d in blind.decisions)
+    assert s["specserve"]["tpot_mean_ms"] < 0.9 * s_blind["specserve"]["tpot_mean_ms"]

@@ -35,6 +35,8 @@ from specserve_operator.tuner import policy as tuner_policy
 POLICIES = ("off", "static_on", "sglang", "bandit", "specserve", "oracle")
 TRUTHS = ("gpu", "measured-cpu")
 POOL = 1 << 17  # requests per pod that may wait in some fleet's backlog while another fleet has served them
+SHADOW_ROWS = 4  # rows of a pod's batch whose shadow drafts its sidecar scores (specserve_engine.shadow)
+SHADOW_EVERY = 5  # shadow drafts are simulated in one quantum of this many, counted for all of them
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,9 @@ class FleetSim:
         self.c_acc = np.zeros((ns, nd, self.nb))
         self.c_acc_pos = np.zeros((ns, nd, self.nb, mk))
         self.c_prop_pos = np.zeros((ns, nd, self.nb, mk))
+        # The sidecars' scores of shadow drafts, per pod, drafter and position (no bucket).
+        self.c_shadow_acc = np.zeros((ns, nd, mk))
+        self.c_shadow_prop = np.zeros((ns, nd, mk))
         self.running = np.zeros(ns)
         self.history: deque = deque()
         self.spec = cfg.resource_spec()
@@ -314,12 +319,14 @@ class FleetSim:
                 self.c_acc,
                 self.c_acc_pos,
                 self.c_prop_pos,
+                self.c_shadow_acc,
+                self.c_shadow_prop,
             )
         )
 
     def _rows(self, now_c: tuple, old_c: tuple) -> list[observations.Row]:
         d = [a - b for a, b in zip(now_c, old_c, strict=True)]
-        steps, secs, tokens, drafts, dtok, acc, acc_pos, prop_pos = d
+        steps, secs, tokens, drafts, dtok, acc, acc_pos, prop_pos, shadow_acc, shadow_prop = d
         rows: list[observations.Row] = []
         for i, pod in enumerate(self.pod_names):
             base = {"namespace": "sim", "pod": pod}
@@ -356,6 +363,11 @@ class FleetSim:
                             pl = {**lab, "position": str(pos)}
                             rows.append((observations.ACCEPTED_POS, pl, acc_pos[i, j, b, pos]))
                             rows.append((observations.PROPOSED_POS, pl, prop_pos[i, j, b, pos]))
+            for j, name in enumerate(self.names):
+                for pos in np.nonzero(shadow_prop[i, j] > 0)[0]:
+                    pl = {**base, "drafter": name, "position": str(pos)}
+                    rows.append((observations.SHADOW_ACCEPTED_POS, pl, shadow_acc[i, j, pos]))
+                    rows.append((observations.SHADOW_PROPOSED_POS, pl, shadow_prop[i, j, pos]))
         return rows
 
     def _tick(self, now: float) -> None:
@@ -548,6 +560,8 @@ class FleetSim:
             drafting = k[r_act] > 0
             proposed = np.zeros(len(r_act))
             proposed[drafting] = self.library.proposed(self.library.select(span, drafting))
+            if len(spec_rows) and n % SHADOW_EVERY == 0:
+                self._shadow(r_act, s_act, k, d, batch, slot_steps)
             self.cursor[r_act, s_act] += slot_steps
 
             done = active & (self.rem <= gain)
@@ -613,6 +627,40 @@ class FleetSim:
             choice = d[o] * 100 + k[o]
             self.results["oracle"].switches += int((choice != self.prev_choice[o]).sum())
             self.prev_choice[o] = choice
+
+    def _shadow(
+        self,
+        r_act: np.ndarray,
+        s_act: np.ndarray,
+        k: np.ndarray,
+        d: np.ndarray,
+        batch: np.ndarray,
+        slot_steps: np.ndarray,
+    ) -> None:
+        """The specserve pods' sidecars score the shadow drafts of the drafters not in force: on up to
+        SHADOW_ROWS rows of a speculating pod's batch, each other drafter's drafts at its largest K over
+        the same steps of the same sequences (docs/sidecar.md, "Shadow drafts"). Called every SHADOW_EVERY
+        quanta, its counts weighted to stand for all of them (the simulator's time, not the sidecar's)."""
+        first, n = self.spec_rows[0], len(self.spec_rows)
+        drafting = (r_act >= first) & (r_act < first + n) & (k[r_act] > 0)
+        for j in range(len(self.names)):
+            sel = drafting & (d[r_act] != j)
+            if not sel.any():
+                continue
+            rows, slots = r_act[sel], s_act[sel]
+            span = self.library.span(
+                np.full(len(rows), j),
+                self.dom[rows, slots],
+                self.seq[rows, slots],
+                self.cursor[rows, slots],
+                slot_steps[sel],
+            )
+            share = np.minimum(1.0, SHADOW_ROWS / batch[rows]) * SHADOW_EVERY
+            pod = rows - first
+            proposed = self.library.proposed(span) * share
+            for pos in range(int(self.k_cap[j])):
+                np.add.at(self.c_shadow_prop, (pod, j, pos), proposed)
+                np.add.at(self.c_shadow_acc, (pod, j, pos), self.library.accepted_at(pos, span) * share)
 
     def _count(
         self,

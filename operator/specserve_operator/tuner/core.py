@@ -27,7 +27,9 @@ EXPLORE_TICKS = 2
 DEMOTION_TTL_S = 3600.0
 # A drafter's last measured acceptance stands in for the prior this long: acceptance follows the traffic.
 ACCEPTANCE_TTL_S = 3600.0
-MEASURED_NOW = ("measured", "totals")  # acceptance sources from this window's drafts
+# Acceptance sources from this window's drafts: the engine's own counts of live drafts, else the sidecar's
+# scores of shadow drafts on the same traffic (docs/policy.md, "Shadow acceptance").
+MEASURED_NOW = ("measured", "totals", "shadow")
 DEFAULT_GPU = "NVIDIA-H100"
 # Decision.warnings keys: condition reasons (CamelCase) the operator reports on the resource.
 METRICS_MISSING = "MetricsMissing"  # no pod of the resource has engine metrics yet: nothing is pushed
@@ -389,12 +391,28 @@ def measured_acceptance(
     drafters: Mapping[str, DrafterSpec], observations: list[PodObservation]
 ) -> dict[str, policy.Acceptance]:
     """Acceptance per drafter on this resource's traffic in the window. Only drafters measured now are
-    compared: an older measurement was taken on another traffic mix (trials keep the others fresh)."""
+    compared: an older measurement was taken on another traffic mix (trials and shadow drafts keep the
+    others fresh). The engine's counts of live drafts come first; a drafter without them is measured by
+    its shadow drafts, where its pods' sidecars scored enough."""
     accs: dict[str, policy.Acceptance] = {}
     for name, d in drafters.items():
         stats, fallback = _pooled_acceptance_stats(observations, name)
-        accs[name] = policy.acceptance(stats, d.max_speculative_tokens, fallback if fallback.drafts else None)
+        acc = policy.acceptance(stats, d.max_speculative_tokens, fallback if fallback.drafts else None)
+        if acc.source == "prior":
+            shadow = policy.acceptance(_pooled_shadow(observations, name), d.max_speculative_tokens)
+            if shadow.source == "measured":
+                acc = dataclasses.replace(shadow, source="shadow")
+        accs[name] = acc
     return accs
+
+
+def _pooled_shadow(observations: list[PodObservation], drafter: str) -> BucketStats:
+    stats = BucketStats()
+    for obs in observations:
+        shadow = obs.shadow.get(drafter)
+        if shadow is not None:
+            stats.add(shadow)
+    return stats
 
 
 def recalled_acceptance(
@@ -455,7 +473,8 @@ def drafter_scores(
 class Demotions:
     demoted: dict[str, float]  # drafter → when it was demoted
     under_floor_since: dict[str, float]  # drafter → since when its MAL is under the floor
-    notes: list[str]
+    notes: list[str]  # one per drafter demoted now
+    reinstated: list[str] = dataclasses.field(default_factory=list)  # one per demotion lifted now
 
 
 def failing_drafters(observations: list[PodObservation]) -> dict[str, str]:
@@ -492,19 +511,30 @@ def demotions(
     """A drafter whose MAL at its largest K stays under the floor for a cooldown is demoted, and at once
     one whose sidecar calls failed in the window without a single accepted draft (`failing`, from
     failing_drafters): it is broken, not unlucky. A demotion is reconsidered (the drafter tried again)
-    after DEMOTION_TTL_S: traffic changes, and a broken drafter may have been fixed."""
+    after DEMOTION_TTL_S: traffic changes, and a broken drafter may have been fixed. It is lifted sooner
+    when the drafter, not failing, is measured now (in practice by its shadow drafts) with a MAL above the
+    floor by SWITCH_MARGIN: the traffic has turned its way."""
     demoted = {name: at for name, at in demoted.items() if now - at < DEMOTION_TTL_S}
     under = dict(under_floor_since)
     notes: list[str] = []
+    reinstated: list[str] = []
     for name, d in drafters.items():
         acc = accs[name]
         failed = (failing or {}).get(name)
+        if name in demoted and failed is None and acc.source in MEASURED_NOW:
+            mal = acc.tokens(d.max_speculative_tokens)
+            if mal >= speculation.mal_floor * (1 + SWITCH_MARGIN):
+                del demoted[name]
+                reinstated.append(f"reinstated {name}: MAL {mal:.2f} ({acc.source}) >= floor")
+                continue
         if name not in demoted and failed is not None:
             demoted[name] = now
             under.pop(name, None)
             notes.append(f"demoted {name}: {failed}")
             continue
-        if acc.source not in MEASURED_NOW or name in demoted:
+        # Shadow drafts cost the pods nothing: a drafter not in force is not demoted for them, so it can
+        # win when the traffic turns its way.
+        if acc.source not in MEASURED_NOW or acc.source == "shadow" or name in demoted:
             continue
         mal = acc.tokens(d.max_speculative_tokens)
         if mal < speculation.mal_floor:
@@ -515,7 +545,7 @@ def demotions(
                 notes.append(f"demoted {name}: MAL {mal:.2f} < floor {speculation.mal_floor}")
         else:
             under.pop(name, None)
-    return Demotions(demoted, under, notes)
+    return Demotions(demoted, under, notes, reinstated)
 
 
 def better_drafter(
@@ -746,7 +776,7 @@ def decide(
     )
     state.demoted, state.under_floor_since = demoted.demoted, demoted.under_floor_since
     state.last_score.update(scores)
-    notes = list(demoted.notes)
+    notes = demoted.notes + demoted.reinstated
     cooled_down = now - state.last_switch_at >= view.spec.speculation.cooldown_seconds
     best = better_drafter(state.drafter, drafters, scores, state.last_score, state.demoted, cooled_down)
     rollout = None

@@ -33,6 +33,8 @@ VLLM_DRAFTS = "vllm_drafts"
 VLLM_DRAFT_TOKENS = "vllm_draft_tokens"
 VLLM_ACCEPTED = "vllm_accepted"
 DRAFTER_ERRORS = "drafter_errors"
+SHADOW_ACCEPTED_POS = "shadow_accepted_pos"  # the sidecar's shadow drafts (docs/policy.md)
+SHADOW_PROPOSED_POS = "shadow_proposed_pos"
 ALL_BUCKETS = "*"  # the bucket of counters summed over buckets
 
 # Why a row, or a bucket's folded counters, was dropped: the `reason` label of the operator's
@@ -152,6 +154,8 @@ class PodObservation:
     # Spec counters split by the drafter that made the drafts (a canary pod may have run two).
     by_drafter: dict[str, dict[str, BucketStats]] = field(default_factory=dict)
     drafter_errors: dict[str, float] = field(default_factory=dict)  # drafter → failed draft calls
+    # Per-position counts of the sidecar's shadow drafts, by drafter (loaded drafters not in force).
+    shadow: dict[str, BucketStats] = field(default_factory=dict)
     failed_drafters: set[str] = field(default_factory=set)  # drafters the sidecar reports failed
     dropped: int = 0  # this pod's values refused as invalid (counted in the snapshot's `dropped` too)
 
@@ -199,12 +203,14 @@ Row = tuple[str, dict[str, str], float]
 _ENGINE_KINDS = {STEPS: "steps", STEP_SECONDS: "seconds", TOKENS: "tokens"}
 _SPEC_KINDS = (DRAFTS, DRAFT_TOKENS, ACCEPTED)
 _POSITION_KINDS = (ACCEPTED_POS, PROPOSED_POS)
+_SHADOW_KINDS = (SHADOW_ACCEPTED_POS, SHADOW_PROPOSED_POS)
 _FALLBACK_KINDS = {VLLM_DRAFTS: "drafts", VLLM_DRAFT_TOKENS: "draft_tokens", VLLM_ACCEPTED: "accepted"}
 _KINDS = frozenset(
     {
         *_ENGINE_KINDS,
         *_SPEC_KINDS,
         *_POSITION_KINDS,
+        *_SHADOW_KINDS,
         *_FALLBACK_KINDS,
         POLICY_INFO,
         RUNNING,
@@ -254,6 +260,8 @@ def _taint(kind: str, labels: dict[str, str]) -> tuple:
         return ("drafts", labels.get("drafter", ""), labels.get("bucket", ""))
     if kind in _POSITION_KINDS:
         return ("positions", labels.get("drafter", ""))
+    if kind in _SHADOW_KINDS:
+        return ("shadow", labels.get("drafter", ""))
     return ("other",)
 
 
@@ -277,6 +285,8 @@ def _untaint(obs: PodObservation, tainted: Iterable[tuple]) -> None:
         elif what == "positions":
             for b in obs.by_drafter.get(taint[1], {}).values():
                 b.accepted_pos, b.proposed_pos = {}, {}
+        elif what == "shadow":
+            obs.shadow.pop(taint[1], None)
 
 
 def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
@@ -292,7 +302,9 @@ def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
             return DROP_LABELS
         if int(labels["k"]) > MAX_SPECULATIVE_TOKENS:
             return DROP_IMPLAUSIBLE
-    if kind in _POSITION_KINDS:
+    if kind in _SHADOW_KINDS and not labels.get("drafter"):
+        return DROP_LABELS
+    if kind in _POSITION_KINDS or kind in _SHADOW_KINDS:
         position = labels.get("position", "")
         if not _DECIMAL.fullmatch(position):
             return DROP_LABELS
@@ -333,6 +345,11 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
         drafter = labels.get("drafter", "")
         b = stats_of(obs.by_drafter.setdefault(drafter, {}), bucket or ALL_BUCKETS)
         target = b.accepted_pos if kind == ACCEPTED_POS else b.proposed_pos
+        pos = int(labels["position"])
+        target[pos] = target.get(pos, 0.0) + value
+    elif kind in _SHADOW_KINDS:
+        b = stats_of(obs.shadow, labels["drafter"])
+        target = b.accepted_pos if kind == SHADOW_ACCEPTED_POS else b.proposed_pos
         pos = int(labels["position"])
         target[pos] = target.get(pos, 0.0) + value
     elif kind == POLICY_INFO:
@@ -380,6 +397,10 @@ def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
                 total.drafts += b.drafts
                 total.draft_tokens += b.draft_tokens
                 total.accepted += b.accepted
+    for name in [n for n, b in obs.shadow.items() if _positions_contradiction(b)]:
+        snap.drop(DROP_INCONSISTENT)
+        obs.dropped += 1
+        del obs.shadow[name]
     if obs.fallback is not None and _spec_contradiction(obs.fallback):
         snap.drop(DROP_INCONSISTENT)
         obs.dropped += 1

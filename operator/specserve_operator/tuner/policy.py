@@ -57,7 +57,7 @@ def iid_alpha_from_mal(mal: float, k: float) -> float:
 @dataclass(frozen=True)
 class Acceptance:
     alphas: tuple[float, ...]  # conditional acceptance per position, α_1..α_maxK
-    source: str  # measured | totals | prior
+    source: str  # measured | totals | shadow (core.measured_acceptance) | remembered | prior
     drafts: float
 
     def tokens(self, k: int) -> float:

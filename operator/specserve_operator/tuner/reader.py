@@ -55,7 +55,8 @@ def engine_query(window_s: float) -> str:
 def spec_query(window_s: float) -> str:
     """Drafts, draft tokens and accepted tokens per pod, bucket and drafter; accepted and proposed per
     position per pod and drafter (pooled over buckets: acceptance is a property of traffic, not load);
-    failed draft calls per pod and drafter (the sidecar's count of drafter errors)."""
+    failed draft calls per pod and drafter (the sidecar's count of drafter errors); the sidecar's shadow
+    drafts per pod, drafter and position."""
     w = _window(window_s)
     by, by_pos, by_drafter = f"{POD}, bucket, drafter", f"{POD}, drafter, position", f"{POD}, drafter"
     parts = [
@@ -73,6 +74,14 @@ def spec_query(window_s: float) -> str:
         _tagged(
             observations.DRAFTER_ERRORS,
             _increase(metric_names.SIDECAR_DRAFTER_ERRORS.series[0], by_drafter, w),
+        ),
+        _tagged(
+            observations.SHADOW_ACCEPTED_POS,
+            _increase(metric_names.SIDECAR_SHADOW_ACCEPTED.series[0], by_pos, w),
+        ),
+        _tagged(
+            observations.SHADOW_PROPOSED_POS,
+            _increase(metric_names.SIDECAR_SHADOW_PROPOSED.series[0], by_pos, w),
         ),
     ]
     return " or ".join(parts)

@@ -1,0 +1,124 @@
+"""Shadow acceptance in the controller: the sidecars' scores of shadow drafts (shadow.py) read, validated
+and used where a drafter has no live drafts in the window, so a drafter not in force is ranked on the
+traffic of this window and takes over within a tick when the traffic turns its way."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve_operator.tuner import core, observations
+
+NS = "ml"
+
+
+def view_of(spec) -> core.ResourceView:
+    return core.ResourceView(NS, "llm", spec, ("pod-a", "pod-b"))
+
+
+def decide(view: core.ResourceView, rows: list, state: core.ResourceState, now: float) -> core.Decision:
+    snap = observations.build_snapshot(rows, 300.0)
+    return core.decide(view, snap, state, core.FleetCosts([view], snap, ()), now)
+
+
+def healthy_loads(bucket_load, prior) -> dict:
+    """Three buckets, plain and speculative steps, all at the prior's step times."""
+    return {
+        label: bucket_load(
+            batch=batch,
+            steps_plain=1000,
+            step_s_plain=prior.step_s(batch, 0),
+            steps_spec=1000,
+            step_s_spec=prior.step_s(batch, 3),
+            k=3,
+        )
+        for label, batch in (("4", 3.0), ("16", 12.0), ("64", 48.0))
+    }
+
+
+def shadow_rows(pod: str, drafter: str, alphas: tuple[float, ...], drafts: float = 400.0) -> list:
+    """Per-position shadow counts as a sidecar exports them: `drafts` shadow drafts of 4 tokens."""
+    rows, survival = [], 1.0
+    for pos, alpha in enumerate(alphas):
+        survival *= alpha
+        labels = {"namespace": NS, "pod": pod, "drafter": drafter, "position": str(pos)}
+        rows += [
+            (observations.SHADOW_PROPOSED_POS, labels, drafts),
+            (observations.SHADOW_ACCEPTED_POS, labels, drafts * survival),
+        ]
+    return rows
+
+
+def test_shadow_counts_are_folded_per_drafter_and_checked() -> None:
+    good = shadow_rows("pod-a", "ngram", (0.9, 0.8, 0.5, 0.5))
+    snap = observations.build_snapshot(good, 300.0)
+    shadow = snap.pods[(NS, "pod-a")].shadow["ngram"]
+    assert shadow.proposed_pos == {0: 400.0, 1: 400.0, 2: 400.0, 3: 400.0}
+    assert shadow.accepted_pos[1] == pytest.approx(400.0 * 0.9 * 0.8)
+    # Without a drafter label, or at a position no draft reaches, a row is refused; more accepted than
+    # proposed at a position drops that drafter's shadow counts.
+    labels = {"namespace": NS, "pod": "pod-a", "position": "0"}
+    snap = observations.build_snapshot([(observations.SHADOW_PROPOSED_POS, labels, 5.0)], 300.0)
+    assert snap.dropped == {observations.DROP_LABELS: 1}
+    far = {**labels, "drafter": "ngram", "position": "99"}
+    snap = observations.build_snapshot([(observations.SHADOW_PROPOSED_POS, far, 5.0)], 300.0)
+    assert snap.dropped == {observations.DROP_IMPLAUSIBLE: 1}
+    ngram = {**labels, "drafter": "ngram"}
+    bad = [(observations.SHADOW_PROPOSED_POS, ngram, 10.0), (observations.SHADOW_ACCEPTED_POS, ngram, 50.0)]
+    snap = observations.build_snapshot(bad, 300.0)
+    assert snap.pods[(NS, "pod-a")].shadow == {} and snap.dropped == {observations.DROP_INCONSISTENT: 1}
+
+
+def test_live_drafts_come_first_and_shadow_drafts_measure_the_others(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]))
+    rows = rows_for(NS, "pod-a", "draft", loads, alphas=(0.6,) * 8)
+    rows += shadow_rows("pod-a", "ngram", (0.9,) * 4) + shadow_rows("pod-a", "draft", (0.1,) * 4)
+    snap = observations.build_snapshot(rows, 300.0)
+    accs = core.measured_acceptance({d.name: d for d in spec.drafters}, list(snap.pods.values()))
+    assert accs["draft"].source == "measured" and round(accs["draft"].alphas[0], 3) == 0.6
+    assert accs["ngram"].source == "shadow" and round(accs["ngram"].alphas[0], 3) == 0.9
+    # Too few shadow drafts to measure: the prior stands.
+    few = rows_for(NS, "pod-a", "draft", loads) + shadow_rows("pod-a", "ngram", (0.9,) * 4, drafts=3)
+    snap = observations.build_snapshot(few, 300.0)
+    accs = core.measured_acceptance({d.name: d for d in spec.drafters}, list(snap.pods.values()))
+    assert accs["ngram"].source == "prior"
+
+
+def test_a_drafter_whose_shadow_drafts_win_takes_over_without_a_trial(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Both pods run the draft model; the traffic turned code-like and n-gram's shadow drafts are now
+    accepted far more often: the next decision switches every pod to n-gram."""
+    spec = spec_factory()
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]))
+    rows = []
+    for pod in ("pod-a", "pod-b"):
+        rows += rows_for(NS, pod, "draft", loads, alphas=(0.5,) * 8)
+    first = decide(view, rows, state, now=0)
+    assert first.drafter == "draft" and "ngram" not in first.scores  # nothing measured n-gram yet
+    later = rows + shadow_rows("pod-a", "ngram", (0.95,) * 4) + shadow_rows("pod-b", "ngram", (0.95,) * 4)
+    d = decide(view, later, state, now=spec.speculation.cooldown_seconds + 1)
+    assert d.scores["ngram"] > d.scores["draft"]
+    assert d.drafter == "ngram" and d.action == "switchDrafter"
+    assert {p.drafter for p in d.pods.values()} == {"ngram"}
+
+
+def test_a_poor_shadow_score_does_not_demote_a_drafter_not_in_force(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]))
+    rows = rows_for(NS, "pod-a", "draft", loads, alphas=(0.8,) * 8)
+    rows += rows_for(NS, "pod-b", "draft", loads, alphas=(0.8,) * 8) + shadow_rows(
+        "pod-a", "ngram", (0.05,) * 4
+    )
+    decide(view, rows, state, now=0)
+    d = decide(view, rows, state, now=spec.speculation.cooldown_seconds + 1)
+    assert "ngram" not in d.demoted and d.drafter == "draft"
