@@ -74,6 +74,8 @@ class ShadowDrafts:
 
     def score(self, seqs: Sequence[Seq]) -> None:
         """Score the pending drafts whose rows now hold enough tokens; drop those whose row started over."""
+        if not any(self.pending.values()):
+            return
         by_key = {s.key: s for s in seqs}
         for drafter, pending in self.pending.items():
             for key in [k for k in pending if k in by_key]:

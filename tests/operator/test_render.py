@@ -274,6 +274,15 @@ def test_pod_security_probes_and_shared_runtime_dir() -> None:
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
+def test_the_sidecar_gets_the_resources_shadow_share() -> None:
+    def share(spec: dict) -> float:
+        data = _children(spec)["ConfigMap"]["data"][render.CONFIG_FILE]
+        return SidecarConfig.model_validate_json(data).shadow_share
+
+    assert share(_spec()) == 0.05
+    assert share(_spec(speculation={"shadowShare": 0})) == 0.0
+
+
 def test_service_and_service_monitor() -> None:
     objs = _children(_spec())
     assert [(p["name"], p["port"]) for p in objs["Service"]["spec"]["ports"]] == [

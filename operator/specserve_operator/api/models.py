@@ -476,6 +476,15 @@ class SpeculationSpec(_Model):
         alias="explorationShare",
         description="Share of steps kept speculating where it is off, so acceptance stays measured.",
     )
+    shadow_share: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=0.5,
+        alias="shadowShare",
+        description="Share of each engine connection's time the sidecar's drafters not in force may spend "
+        "drafting in the shadow, so every hosted drafter's acceptance is measured on the live traffic "
+        "(0 turns it off).",
+    )
 
     @field_validator("batch_buckets")
     @classmethod

@@ -195,6 +195,7 @@ def plan_fleet(
             engineUrl=f"http://127.0.0.1:{engine_port}",
             warmupRequests=spec.speculation.warmup_requests,
             initialPolicy=initial_policy(spec),
+            shadowShare=spec.speculation.shadow_share,
         )
         plans.append(ReplicaPlan(pod, i, pod_dir, engine, engine_port, sidecar))
     stock = tuple(

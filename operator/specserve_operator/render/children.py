@@ -191,6 +191,7 @@ def build_sidecar_config(spec: SpeculativeServingSpec) -> SidecarConfig:
         engineUrl=f"http://127.0.0.1:{ENGINE_PORT}",
         warmupRequests=spec.speculation.warmup_requests,
         initialPolicy=initial_policy(spec),
+        shadowShare=spec.speculation.shadow_share,
     )
 
 
