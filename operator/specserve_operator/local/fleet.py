@@ -61,7 +61,7 @@ from specserve_operator.local.sweep import (
 )
 from specserve_operator.local.traffic import Phase, TrafficPattern
 from specserve_operator.local.view import ViewState
-from specserve_operator.tuner.core import ResourceView
+from specserve_operator.tuner.core import ResourceView, live_switchable
 from specserve_operator.tuner.loop import FleetController
 
 REPO = Path(__file__).resolve().parents[3]
@@ -379,8 +379,11 @@ async def _sweep(
     """Measure off and every drafter at every K on each shape of the pattern, on the fleet's own pods, and
     pick the best static table in hindsight (local/sweep.py)."""
     spec = s.plan.spec
-    candidates = sweep_candidates({d.name: d.max_speculative_tokens for d in spec.drafters})
-    first = spec.drafters[0].name
+    # Only what the pods can switch to live: an engine started with a colocated drafter runs that one.
+    engine_drafter = s.plan.replicas[0].sidecar.engine_drafter
+    drafters = [d for d in spec.drafters if live_switchable(d, engine_drafter)]
+    candidates = sweep_candidates({d.name: d.max_speculative_tokens for d in drafters})
+    first = drafters[0].name
     points: list[SweepPoint] = []
     for shape in sweep_shapes(pattern):
         for candidate in candidates:
