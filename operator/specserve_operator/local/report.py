@@ -29,7 +29,7 @@ RUN_TITLES = {
     RUN_BEST_STATIC: "best static table (sweep, in hindsight)",
 }
 RUN_SWEEP = "sweep"  # the requests that measured the best static table's candidates (not a run of its own)
-# Goals for the controller on real engines (docs/local-fleet.md, "Against the goals"): in every phase at
+# Goals for the controller on real engines (docs/local-fleet.md, "The best static table"): in every phase at
 # least this share of the better fixed alternative, and in busy phases of plain decoding.
 GOAL_OF_BEST_FIXED = 0.95
 GOAL_OF_PLAIN_WHEN_BUSY = 0.98
