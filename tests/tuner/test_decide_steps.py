@@ -8,6 +8,7 @@ import pytest
 from specserve_operator.tuner import core, policy
 from specserve_operator.tuner.observations import FleetSnapshot, build_snapshot
 from specserve_operator.tuner.policy import MIN_STEPS
+from specserve_testing.tuner_loads import loads_at_prior
 
 NS = "ml"
 
@@ -18,21 +19,6 @@ def view_of(spec, pods=("pod-a", "pod-b")) -> core.ResourceView:
 
 def acceptance(alpha: float, source: str = "measured", max_k: int = 4) -> policy.Acceptance:
     return policy.Acceptance((alpha,) * max_k, source, 1000.0)
-
-
-def loads_at_prior(bucket_load, prior, k: int = 3) -> dict:
-    """Plain and speculative steps in three buckets, each as fast as the prior predicts."""
-    return {
-        label: bucket_load(
-            batch=batch,
-            steps_plain=1000,
-            step_s_plain=prior.step_s(batch, 0),
-            steps_spec=1000,
-            step_s_spec=prior.step_s(batch, k),
-            k=k,
-        )
-        for label, batch in (("4", 3.0), ("16", 12.0), ("64", 48.0))
-    }
 
 
 def test_the_mode_forces_a_policy_only_when_it_is_not_auto(spec_factory) -> None:

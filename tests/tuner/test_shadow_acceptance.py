@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve_operator.tuner import core, observations
+from specserve_testing.tuner_loads import loads_at_prior
 
 NS = "ml"
 
@@ -18,21 +19,6 @@ def view_of(spec) -> core.ResourceView:
 def decide(view: core.ResourceView, rows: list, state: core.ResourceState, now: float) -> core.Decision:
     snap = observations.build_snapshot(rows, 300.0)
     return core.decide(view, snap, state, core.FleetCosts([view], snap, ()), now)
-
-
-def healthy_loads(bucket_load, prior) -> dict:
-    """Three buckets, plain and speculative steps, all at the prior's step times."""
-    return {
-        label: bucket_load(
-            batch=batch,
-            steps_plain=1000,
-            step_s_plain=prior.step_s(batch, 0),
-            steps_spec=1000,
-            step_s_spec=prior.step_s(batch, 3),
-            k=3,
-        )
-        for label, batch in (("4", 3.0), ("16", 12.0), ("64", 48.0))
-    }
 
 
 def shadow_rows(pod: str, drafter: str, alphas: tuple[float, ...], drafts: float = 400.0) -> list:
@@ -73,7 +59,7 @@ def test_live_drafts_come_first_and_shadow_drafts_measure_the_others(
 ) -> None:
     spec = spec_factory()
     view = view_of(spec)
-    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]))
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
     rows = rows_for(NS, "pod-a", "draft", loads, alphas=(0.6,) * 8)
     rows += shadow_rows("pod-a", "ngram", (0.9,) * 4) + shadow_rows("pod-a", "draft", (0.1,) * 4)
     snap = observations.build_snapshot(rows, 300.0)
@@ -95,7 +81,7 @@ def test_a_drafter_whose_shadow_drafts_win_takes_over_without_a_trial(
     spec = spec_factory()
     view = view_of(spec)
     state = core.ResourceState.initial(spec)
-    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]))
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
     rows = []
     for pod in ("pod-a", "pod-b"):
         rows += rows_for(NS, pod, "draft", loads, alphas=(0.5,) * 8)
@@ -114,7 +100,7 @@ def test_a_poor_shadow_score_does_not_demote_a_drafter_not_in_force(
     spec = spec_factory()
     view = view_of(spec)
     state = core.ResourceState.initial(spec)
-    loads = healthy_loads(bucket_load, view.prior(spec.drafters[0]))
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
     rows = rows_for(NS, "pod-a", "draft", loads, alphas=(0.8,) * 8)
     rows += rows_for(NS, "pod-b", "draft", loads, alphas=(0.8,) * 8) + shadow_rows(
         "pod-a", "ngram", (0.05,) * 4
