@@ -73,38 +73,61 @@ SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
         metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0],
         ("drafter", "position"),
     ),
+    observations.SHADOW_ACCEPTED_POS: (
+        metric_names.SIDECAR_SHADOW_ACCEPTED.series[0],
+        ("drafter", "position"),
+    ),
+    observations.SHADOW_PROPOSED_POS: (
+        metric_names.SIDECAR_SHADOW_PROPOSED.series[0],
+        ("drafter", "position"),
+    ),
 }
 
 
 def openmetrics(rows: list[observations.Row], start_s: float, end_s: float, step_s: float = 15.0) -> str:
     """Rows as counters rising linearly from 0 at `start_s` to their value at `end_s` (the increase over
     that span is the row's value), gauges held constant; OpenMetrics text for promtool's backfill."""
+    return openmetrics_phases([(rows, start_s, end_s)], step_s)
+
+
+def openmetrics_phases(
+    phases: list[tuple[list[observations.Row], float, float]], step_s: float = 15.0
+) -> str:
+    """Like `openmetrics`, over consecutive spans each with its own rows: within a span a counter rises
+    linearly by that span's value, carrying on from where the spans before left it (a traffic change);
+    a gauge holds each span's value."""
     families: dict[str, list[str]] = {}
     types: dict[str, str] = {}
-    n = int((end_s - start_s) // step_s)
-    for kind, labels, value in rows:
-        extra = {}
-        if kind in SERIES:
-            series, keep = SERIES[kind]
-            family, mtype = series.removesuffix("_total"), "counter"
-            extra = {k: labels[k] for k in keep if k in labels}
-        elif kind == observations.POLICY_INFO:
-            series = family = metric_names.SIDECAR_POLICY_INFO.name
-            mtype = "gauge"
-            extra = {k: labels[k] for k in ("drafter", "mode", "policy_version")}
-        elif kind == observations.RUNNING:
-            series = family = metric_names.VLLM_REQUESTS_RUNNING
-            mtype = "gauge"
-        else:
-            continue
-        types[family] = mtype
-        lab = {"namespace": labels["namespace"], "pod": labels["pod"], **extra}
-        text = ",".join(f'{k}="{v}"' for k, v in sorted(lab.items()))
-        lines = families.setdefault(family, [])
-        for i in range(n + 1):
-            t = start_s + i * step_s
-            v = value * i / n if mtype == "counter" else value
-            lines.append(f"{series}{{{text}}} {v:.6f} {t:.3f}")
+    totals: dict[str, float] = {}  # series → the counter's value where the last span ended
+    for rows, start_s, end_s in phases:
+        n = int((end_s - start_s) // step_s)
+        for kind, labels, value in rows:
+            extra = {}
+            if kind in SERIES:
+                series, keep = SERIES[kind]
+                family, mtype = series.removesuffix("_total"), "counter"
+                extra = {k: labels[k] for k in keep if k in labels}
+            elif kind == observations.POLICY_INFO:
+                series = family = metric_names.SIDECAR_POLICY_INFO.name
+                mtype = "gauge"
+                extra = {k: labels[k] for k in ("drafter", "mode", "policy_version")}
+            elif kind == observations.RUNNING:
+                series = family = metric_names.VLLM_REQUESTS_RUNNING
+                mtype = "gauge"
+            else:
+                continue
+            types[family] = mtype
+            lab = {"namespace": labels["namespace"], "pod": labels["pod"], **extra}
+            text = ",".join(f'{k}="{v}"' for k, v in sorted(lab.items()))
+            name = f"{series}{{{text}}}"
+            # A later span starts one step in: its first sample would repeat the span before's last time.
+            first, base = (1, totals[name]) if name in totals else (0, 0.0)
+            lines = families.setdefault(family, [])
+            for i in range(first, n + 1):
+                t = start_s + i * step_s
+                v = base + value * i / n if mtype == "counter" else value
+                lines.append(f"{name} {v:.6f} {t:.3f}")
+            totals[name] = base + value if mtype == "counter" else 0.0
     out = []
     for family, lines in families.items():
         out.append(f"# TYPE {family} {types[family]}")

@@ -18,7 +18,7 @@ def view_of(spec, pods=("pod-a", "pod-b")) -> core.ResourceView:
 
 
 def acceptance(alpha: float, source: str = "measured", max_k: int = 4) -> policy.Acceptance:
-    return policy.Acceptance((alpha,) * max_k, source, 1000.0)
+    return policy.Acceptance((alpha,) * max_k, source)
 
 
 def test_the_mode_forces_a_policy_only_when_it_is_not_auto(spec_factory) -> None:

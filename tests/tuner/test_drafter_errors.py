@@ -90,7 +90,7 @@ def test_a_drafter_its_sidecar_reports_failed_is_demoted_though_no_error_was_cou
 
 
 def test_the_reader_asks_for_the_sidecars_error_counter() -> None:
-    assert metric_names.SIDECAR_DRAFTER_ERRORS.series[0] in spec_query(300)
+    assert metric_names.SIDECAR_DRAFTER_ERRORS.series[0] in spec_query(300, 60)
 
 
 @pytest.mark.prometheus

@@ -13,7 +13,7 @@ def view_of(spec, pods=("pod-a", "pod-b")) -> core.ResourceView:
 
 
 def acceptance(alpha: float, source: str) -> policy.Acceptance:
-    return policy.Acceptance((alpha,) * 4, source, 1000.0 if source != "prior" else 0.0)
+    return policy.Acceptance((alpha,) * 4, source)
 
 
 def test_a_drafter_without_drafts_keeps_its_last_measured_acceptance() -> None:

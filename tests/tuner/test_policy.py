@@ -23,7 +23,7 @@ def prior(
 
 
 def flat_acceptance(alpha: float, n: int = 8) -> tuner_policy.Acceptance:
-    return tuner_policy.Acceptance((alpha,) * n, "measured", 1000.0)
+    return tuner_policy.Acceptance((alpha,) * n, "measured")
 
 
 # ---- cost model -------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from specserve_engine import metric_names
 from specserve_operator.tuner import core, observations
 from specserve_operator.tuner.policy import expected_tokens
 from specserve_operator.tuner.reader import MetricsUnavailable, PrometheusReader, fleet_queries
+from specserve_testing.prometheus import openmetrics_phases
 
 pytestmark = pytest.mark.prometheus
 needs_prometheus = pytest.mark.skipif(
@@ -48,7 +49,7 @@ def test_reader_gets_the_whole_fleet_in_four_queries(prometheus_factory, fleet_h
     prom = prometheus_factory(openmetrics=text)
     reader = PrometheusReader(prom.url, window_s=300)
     snap = reader.read()
-    assert reader.queries == len(fleet_queries(300)) == 4
+    assert reader.queries == len(fleet_queries(300, 60)) == 4
     assert set(snap.pods) == {(NS, "pod-a"), (NS, "pod-b")}
     a = snap.pods[(NS, "pod-a")]
     assert a.drafter == "draft" and a.mode == "on" and a.policy_version == 1
@@ -77,6 +78,78 @@ def test_decision_from_a_real_prometheus(prometheus_factory, fleet_history, spec
     assert d.action != "noData"
     assert d.k_by_bucket["4"] > 0
     assert d.mean_accepted_length == pytest.approx(expected_tokens((0.8, 0.75, 0.5), 3), rel=0.02)
+
+
+def _shadow_rows(pod: str, drafter: str, drafts: float, alpha: float, k: int) -> list[observations.Row]:
+    rows: list[observations.Row] = []
+    for pos in range(k):
+        labels = {"namespace": NS, "pod": pod, "drafter": drafter, "position": str(pos)}
+        rows.append((observations.SHADOW_ACCEPTED_POS, labels, drafts * alpha ** (pos + 1)))
+        rows.append((observations.SHADOW_PROPOSED_POS, labels, drafts))
+    return rows
+
+
+@pytest.fixture
+def mix_change(rows_for, bucket_load):
+    """One pod at batch 1 for ten minutes: code-like traffic (α 0.9 for the draft model in force, 0.8 for
+    n-gram's shadow drafts), then prose-like for the last 60 s (α 0.3 and 0.2)."""
+
+    def phase(span_s: float, alpha: float, shadow_alpha: float) -> list[observations.Row]:
+        load = bucket_load(batch=1, steps_spec=20 * span_s, step_s_spec=0.02, k=4)
+        rows = rows_for(NS, "pod-a", "draft", {"1": load}, alphas=(alpha,) * 4, running=1)
+        return rows + _shadow_rows("pod-a", "ngram", 2 * span_s, shadow_alpha, 4)
+
+    end = time.time() - 5
+    return openmetrics_phases(
+        [(phase(540, 0.9, 0.8), end - 600, end - 60), (phase(60, 0.3, 0.2), end - 60, end)]
+    )
+
+
+@needs_prometheus
+def test_acceptance_follows_a_mix_change_within_its_window(
+    prometheus_factory, mix_change, spec_factory
+) -> None:
+    """Per-position counts, live and shadow, are read over the acceptance window (a fifth of the metrics
+    window): a minute after the traffic turned prose-like, acceptance is the prose traffic's, where the
+    metrics window still mixes four minutes of code into it; with one window the tuner would speculate on."""
+    prom = prometheus_factory(openmetrics=mix_change)
+    spec = spec_factory(replicas=1)
+    view = core.ResourceView(NS, "llm", spec, ("pod-a",))
+    drafters = {d.name: d for d in spec.drafters}
+    two = PrometheusReader(prom.url, window_s=300)
+    assert two.short_window_s == 60
+    snap = two.read()
+    obs = snap.pods[(NS, "pod-a")]
+    pooled, shadow = obs.by_drafter["draft"]["*"], obs.shadow["ngram"]
+    assert pooled.accepted_pos[0] / pooled.proposed_pos[0] == pytest.approx(0.3, rel=0.02)
+    assert shadow.accepted_pos[0] / shadow.proposed_pos[0] == pytest.approx(0.2, rel=0.02)
+    assert obs.mal == pytest.approx(1 + (4 * 3.0951 + 0.4251) / 5, rel=0.03)  # the totals: 300 s, mixed
+    accs = core.measured_acceptance(drafters, [obs])
+    assert (accs["draft"].source, accs["ngram"].source) == ("measured", "shadow")
+    assert accs["draft"].alphas[0] == pytest.approx(0.3, rel=0.02)
+    assert accs["ngram"].alphas[0] == pytest.approx(0.2, rel=0.02)
+    now = time.time()
+    decided = core.decide(view, snap, core.ResourceState.initial(spec), core.FleetCosts([view], snap), now)
+    one = PrometheusReader(prom.url, window_s=300, acceptance_window_s=300).read()
+    stale = core.decide(view, one, core.ResourceState.initial(spec), core.FleetCosts([view], one), now)
+    assert stale.k_by_bucket["1"] > 0 and decided.k_by_bucket["1"] == 0, (stale.reasons, decided.reasons)
+
+
+@needs_prometheus
+def test_few_drafts_in_the_acceptance_window_fall_back_to_the_long_one(
+    prometheus_factory, rows_for, bucket_load, openmetrics_of, spec_factory
+) -> None:
+    """Where the acceptance window holds fewer than MIN_DRAFTS per position (little traffic), acceptance
+    comes from the metrics window's totals (an i.i.d. α), not from a handful of drafts."""
+    load = bucket_load(batch=1, steps_spec=300, step_s_spec=0.02, k=2)  # a draft every 2 s
+    rows = rows_for(NS, "p", "draft", {"1": load}, alphas=(0.5, 0.5))
+    end = time.time() - 5
+    prom = prometheus_factory(openmetrics=openmetrics_of(rows, end - 600, end))
+    obs = PrometheusReader(prom.url, window_s=300).read().pods[(NS, "p")]
+    assert obs.by_drafter["draft"]["*"].proposed_pos[0] == pytest.approx(30, rel=0.1)
+    accs = core.measured_acceptance({d.name: d for d in spec_factory().drafters}, [obs])
+    assert accs["draft"].source == "totals"
+    assert accs["draft"].tokens(2) == pytest.approx(1.75, rel=0.03)
 
 
 @needs_prometheus
@@ -205,7 +278,7 @@ def test_the_reader_leaves_the_garbage_collector_alone(stub_prometheus) -> None:
     finally:
         server.shutdown()
         server.server_close()
-    assert seen == [True] * len(fleet_queries(300))
+    assert seen == [True] * len(fleet_queries(300, 60))
 
 
 def test_the_operator_tunes_the_collector_once_at_start_up() -> None:

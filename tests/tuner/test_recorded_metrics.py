@@ -46,7 +46,7 @@ def _samples(name: str) -> tuple[Samples, dict[str, str]]:
 
 
 def _queried_series() -> set[str]:
-    text = " ".join(fleet_queries(300))
+    text = " ".join(fleet_queries(300, 60))
     return set(re.findall(r"(?:increase\(|\(\s*)([A-Za-z_:][\w:]*)(?:\[|\s*\))", text))
 
 

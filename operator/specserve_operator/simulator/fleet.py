@@ -324,9 +324,14 @@ class FleetSim:
             )
         )
 
-    def _rows(self, now_c: tuple, old_c: tuple) -> list[observations.Row]:
+    def _rows(self, now_c: tuple, old_c: tuple, short_c: tuple) -> list[observations.Row]:
+        """Rows as the reader's queries return them: the counters' increases since `old_c` (the metrics
+        window), the per-position and shadow counts' since `short_c` (the acceptance window)."""
         d = [a - b for a, b in zip(now_c, old_c, strict=True)]
-        steps, secs, tokens, drafts, dtok, acc, acc_pos, prop_pos, shadow_acc, shadow_prop = d
+        steps, secs, tokens, drafts, dtok, acc = d[:6]
+        acc_pos, prop_pos, shadow_acc, shadow_prop = (
+            a - b for a, b in zip(now_c[6:], short_c[6:], strict=True)
+        )
         rows: list[observations.Row] = []
         for i, pod in enumerate(self.pod_names):
             base = {"namespace": "sim", "pod": pod}
@@ -376,9 +381,14 @@ class FleetSim:
         while self.history and now - self.history[0][0] > self.cfg.window_s:
             self.history.popleft()
         old = self.history[0][1]
+        # The history holds one entry per tick: no acceptance window is shorter than an interval.
+        short_window = max(
+            observations.acceptance_window_of(self.cfg.window_s), self.cfg.evaluation_interval_s
+        )
+        short = next(c for t, c in self.history if now - t <= short_window)
         window = max(now - self.history[0][0], self.cfg.evaluation_interval_s)
         t0 = time.perf_counter()
-        snapshot = observations.build_snapshot(self._rows(current, old), window)
+        snapshot = observations.build_snapshot(self._rows(current, old, short), window)
         mixed = {("sim", pod) for pod in self.state.switched_pods(now, self.cfg.window_s)}
         costs = core.FleetCosts([self.view], snapshot, mixed, self.ratios, now)
         if len(self.history) == 1:

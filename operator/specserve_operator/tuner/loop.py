@@ -215,7 +215,9 @@ class FleetController:
         self.clock = clock
         self.sidecar_timeout_s = sidecar_timeout_s
         self._fan_out = asyncio.Semaphore(fan_out)
-        self._reader_factory = reader_factory or (lambda url: PrometheusReader(url, window_s, timeout_s))
+        self._reader_factory = reader_factory or (
+            lambda url: PrometheusReader(url, window_s=window_s, timeout_s=timeout_s)
+        )
         self.readers: dict[str, PrometheusReader] = {}
         self.states: dict[tuple[str, str], core.ResourceState] = {}
         self.views: dict[tuple[str, str], core.ResourceView] = {}

@@ -1,6 +1,9 @@
 """What the controller knows about the fleet after one read: counter increases over a window, per pod and
-batch-size bucket. Built from rows of (series kind, labels, value), whether the rows come from PromQL
-vectors (reader.py) or from the simulator's counters, so both feed the policy through the same code.
+batch-size bucket; the per-position acceptance counts (live and shadow) over a shorter window, since
+acceptance follows the traffic mix, which can change within seconds, while step times are the
+hardware's and want many samples (docs/policy.md, "Two windows"). Built from rows of (series kind,
+labels, value), whether the rows come from PromQL vectors (reader.py) or from the simulator's counters,
+so both feed the policy through the same code.
 
 `build_snapshot` is the one place rows become observations, and it validates them (docs/policy.md,
 "Inputs the controller rejects"): a row that is not finite, negative, beyond any engine's reach, or without
@@ -65,7 +68,15 @@ MAX_STEP_S = 3600.0
 # The CRD's largest maxSpeculativeTokens (api/models.py): no draft is longer, no position higher.
 MAX_SPECULATIVE_TOKENS = 16
 MAX_POLICY_VERSION = 2**63 - 1  # the API server's int64
+# The acceptance window's share of the metrics window: 60 s of a cluster's 300 (two 30 s evaluation
+# intervals), 12 s of the local fleet's 60 (two and a half of its 5 s intervals).
+ACCEPTANCE_WINDOW_SHARE = 0.2
 _DECIMAL = re.compile(r"[0-9]{1,19}")
+
+
+def acceptance_window_of(window_s: float) -> float:
+    """The default acceptance window for a metrics window."""
+    return window_s * ACCEPTANCE_WINDOW_SHARE
 
 
 def stats_of(buckets: dict[str, BucketStats], label: str) -> BucketStats:

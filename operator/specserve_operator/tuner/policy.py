@@ -58,7 +58,6 @@ def iid_alpha_from_mal(mal: float, k: float) -> float:
 class Acceptance:
     alphas: tuple[float, ...]  # conditional acceptance per position, α_1..α_maxK
     source: str  # measured | totals | shadow (core.measured_acceptance) | remembered | prior
-    drafts: float
 
     def tokens(self, k: int) -> float:
         return expected_tokens(self.alphas, k)
@@ -68,8 +67,9 @@ def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = No
     """Per-position conditional acceptance from pooled counters.
 
     survival_j = accepted_pos[j] / proposed_pos[j] is P(positions 0..j all accepted); the conditional
-    α_{j+1} = survival_j / survival_{j-1}. Without per-position counters, an i.i.d. α is solved from
-    MAL and the mean draft length; without any drafts, a prior."""
+    α_{j+1} = survival_j / survival_{j-1}. The per-position counters cover the short acceptance window
+    (observations.py); without MIN_DRAFTS of them there (little traffic), an i.i.d. α is solved from the
+    long window's MAL and mean draft length; without any drafts, a prior."""
     alphas: list[float] = []
     prev_survival = 1.0
     for pos in range(max_k):
@@ -81,13 +81,13 @@ def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = No
         alphas.append(min(alpha, 0.999))
         prev_survival = survival
     if alphas:
-        return Acceptance(_extend(alphas, max_k), "measured", stats.drafts)
+        return Acceptance(_extend(alphas, max_k), "measured")
     for totals in (stats, fallback):
         if totals is not None and totals.drafts >= MIN_DRAFTS and totals.draft_tokens > 0:
             mean_k = totals.draft_tokens / totals.drafts
             alpha = iid_alpha_from_mal(1.0 + totals.accepted / totals.drafts, mean_k)
-            return Acceptance(_extend([alpha], max_k), "totals", totals.drafts)
-    return Acceptance(tuple([PRIOR_ALPHA] * max_k), "prior", 0.0)
+            return Acceptance(_extend([alpha], max_k), "totals")
+    return Acceptance(tuple([PRIOR_ALPHA] * max_k), "prior")
 
 
 def _extend(alphas: list[float], max_k: int) -> tuple[float, ...]:

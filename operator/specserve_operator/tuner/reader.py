@@ -52,12 +52,14 @@ def engine_query(window_s: float) -> str:
     return " or ".join(parts)
 
 
-def spec_query(window_s: float) -> str:
+def spec_query(window_s: float, acceptance_window_s: float) -> str:
     """Drafts, draft tokens and accepted tokens per pod, bucket and drafter; accepted and proposed per
     position per pod and drafter (pooled over buckets: acceptance is a property of traffic, not load);
     failed draft calls per pod and drafter (the sidecar's count of drafter errors); the sidecar's shadow
-    drafts per pod, drafter and position."""
-    w = _window(window_s)
+    drafts per pod, drafter and position. The per-position counts, live and shadow, cover the short
+    acceptance window (observations.acceptance_window_of): they are what the tuner reads acceptance
+    from, and acceptance follows the traffic mix within seconds."""
+    w, short = _window(window_s), _window(acceptance_window_s)
     by, by_pos, by_drafter = f"{POD}, bucket, drafter", f"{POD}, drafter, position", f"{POD}, drafter"
     parts = [
         _tagged(observations.DRAFTS, _increase(metric_names.SPEC_DRAFTS.series[0], by, w)),
@@ -65,11 +67,11 @@ def spec_query(window_s: float) -> str:
         _tagged(observations.ACCEPTED, _increase(metric_names.SPEC_ACCEPTED_TOKENS.series[0], by, w)),
         _tagged(
             observations.ACCEPTED_POS,
-            _increase(metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0], by_pos, w),
+            _increase(metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0], by_pos, short),
         ),
         _tagged(
             observations.PROPOSED_POS,
-            _increase(metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], by_pos, w),
+            _increase(metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], by_pos, short),
         ),
         _tagged(
             observations.DRAFTER_ERRORS,
@@ -77,11 +79,11 @@ def spec_query(window_s: float) -> str:
         ),
         _tagged(
             observations.SHADOW_ACCEPTED_POS,
-            _increase(metric_names.SIDECAR_SHADOW_ACCEPTED.series[0], by_pos, w),
+            _increase(metric_names.SIDECAR_SHADOW_ACCEPTED.series[0], by_pos, short),
         ),
         _tagged(
             observations.SHADOW_PROPOSED_POS,
-            _increase(metric_names.SIDECAR_SHADOW_PROPOSED.series[0], by_pos, w),
+            _increase(metric_names.SIDECAR_SHADOW_PROPOSED.series[0], by_pos, short),
         ),
     ]
     return " or ".join(parts)
@@ -112,8 +114,13 @@ def fallback_query(window_s: float) -> str:
     return " or ".join(parts)
 
 
-def fleet_queries(window_s: float) -> list[str]:
-    return [engine_query(window_s), spec_query(window_s), state_query(), fallback_query(window_s)]
+def fleet_queries(window_s: float, acceptance_window_s: float) -> list[str]:
+    return [
+        engine_query(window_s),
+        spec_query(window_s, acceptance_window_s),
+        state_query(),
+        fallback_query(window_s),
+    ]
 
 
 class MetricsUnavailable(Exception):
@@ -149,14 +156,21 @@ def parse_vector(result: object) -> Iterator[observations.Row]:
 
 @dataclass
 class PrometheusReader:
-    """Reads one Prometheus; `queries` counts the HTTP queries made (the batching guarantee is tested)."""
+    """Reads one Prometheus; `queries` counts the HTTP queries made (the batching guarantee is tested).
+    Step counters and draft totals cover `window_s`, per-position acceptance `acceptance_window_s`
+    (by default observations.acceptance_window_of(window_s))."""
 
     url: str
     window_s: float = 300.0
+    acceptance_window_s: float | None = None
     timeout_s: float = 5.0
     headers: dict[str, str] | None = None
     queries: int = 0
     _client: PrometheusConnect | None = field(default=None, init=False, repr=False)
+
+    @property
+    def short_window_s(self) -> float:
+        return self.acceptance_window_s or observations.acceptance_window_of(self.window_s)
 
     def _connect(self) -> PrometheusConnect:
         if self._client is None:
@@ -199,5 +213,5 @@ class PrometheusReader:
 
     def _rows(self) -> Iterator[observations.Row]:
         # One answer at a time, folded as it is parsed (see parse_vector).
-        for promql in fleet_queries(self.window_s):
+        for promql in fleet_queries(self.window_s, self.short_window_s):
             yield from self.query(promql)
