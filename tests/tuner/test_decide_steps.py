@@ -122,6 +122,15 @@ def test_a_better_drafter_needs_a_margin_and_a_cooled_down_switch() -> None:
     assert core.better_drafter("a", names, {"a": 1.0, "b": 1.2}, {}, {"b": 0.0}, cooled_down=True) is None
 
 
+def test_a_drafter_in_force_that_sat_out_counts_at_its_last_score() -> None:
+    """With every bucket off the drafter in force makes no drafts and is not measured now; a trial of
+    another drafter must beat its last score (else plain decoding), not nothing."""
+    names = ["a", "b"]
+    assert core.better_drafter("a", names, {"b": 1.2}, {"a": 1.3, "b": 1.2}, {}, cooled_down=True) is None
+    assert core.better_drafter("a", names, {"b": 1.02}, {}, {}, cooled_down=True) is None  # plain: 1.0
+    assert core.better_drafter("a", names, {"b": 1.2}, {"a": 1.0}, {}, cooled_down=True) == "b"
+
+
 def test_a_demoted_drafter_in_force_gives_way_at_once() -> None:
     names = ["a", "b", "c"]
     demoted = {"a": 0.0}

@@ -557,8 +557,11 @@ def better_drafter(
     cooled_down: bool,
 ) -> str | None:
     """The drafter to run instead of `current`, or None to keep it. The best measured one, by
-    SWITCH_MARGIN, once the last switch has cooled down; never a demoted one. A demoted drafter in force
-    gives way at once, to the best measured one or else the best remembered one (`last_score`)."""
+    SWITCH_MARGIN over the one in force, once the last switch has cooled down; never a demoted one. The
+    one in force, not measured now (every bucket off, so no live drafts), counts at its last score, else
+    as plain decoding (1.0): a trial's measurement alone must not win against a drafter that merely sat
+    out. A demoted drafter in force gives way at once, to the best measured one or else the best
+    remembered one (`last_score`)."""
     eligible = {n: s for n, s in scores.items() if n not in demoted}
     if current in demoted:
         remembered = {n: last_score.get(n, 0.0) for n in candidates if n not in demoted}
@@ -566,7 +569,7 @@ def better_drafter(
         return max(pool, key=lambda n: pool[n]) if pool else None
     if eligible and cooled_down:
         best = max(eligible, key=lambda n: eligible[n])
-        if eligible[best] >= eligible.get(current, 0.0) * (1 + SWITCH_MARGIN):
+        if eligible[best] >= scores.get(current, last_score.get(current, 1.0)) * (1 + SWITCH_MARGIN):
             return best
     return None
 
@@ -621,8 +624,8 @@ def next_canary(
         return None, None
     drafters = {d.name: d for d in view.spec.drafters}
     pod = sorted(view.pods)[state.canary_round % len(view.pods)]
-    measured_now = accs[state.drafter].source in MEASURED_NOW
-    active_score = state.last_score.get(state.drafter, 0.0) if measured_now else 0.0
+    # The drafter in force at its last score (this tick's, where it was measured now), else as plain.
+    active_score = state.last_score.get(state.drafter, 1.0)
     # Trials: drafters that can run live and have not been measured for a trial period.
     for name, d in drafters.items():
         if name == state.drafter or name in state.demoted or not live_switchable(d, state.engine_drafter):
