@@ -11,7 +11,9 @@ the target's own token equals it with that same probability (and under greedy de
 and agree). So a shadow draft's matched prefix is distributed as its accepted length would have been.
 
 The cost is bounded twice: at most `rows` rows per drafter per call, and shadow work gets at most
-`share` of the connection's wall time (after a shadow pass of t seconds the next waits t / share).
+`share` of the connection's wall time, split evenly between the shadow drafters, each timed on its own
+(after a drafter's shadow draft of t seconds, its next waits t / its share): a costly drafter (a draft
+model's K forward passes) drafts less often, and does not hold back a cheap one (n-gram lookup).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class ShadowDrafts:
         self.clock = clock
         self.pending: dict[str, dict[tuple[int, int], _Pending]] = {}
         self.followed: dict[str, list[tuple[int, int]]] = {}
-        self.next_at = 0.0
+        self.next_at: dict[str, float] = {}  # drafter → when its budget lets it draft again
 
     def score(self, seqs: Sequence[Seq]) -> None:
         """Score the pending drafts whose rows now hold enough tokens; drop those whose row started over."""
@@ -88,22 +90,22 @@ class ShadowDrafts:
                     del pending[key]
                     self.on_score(drafter, len(p.tokens), matched)
 
-    def due(self) -> bool:
-        return self.clock() >= self.next_at
-
     def draft(
         self, drafters: Sequence[Drafter], rows: Sequence[tuple[Seq, int]], locks: dict[str, threading.Lock]
     ) -> None:
-        """One shadow pass: each drafter drafts for the rows it follows (kept while they last, topped up
-        from this call's rows) that have no draft waiting for its score. `rows` pairs each row's sequence
-        with the most tokens the engine lets it draft. A drafter that raises (or answers the wrong shape)
-        drafts nothing in this pass; the others still do."""
-        t0 = self.clock()
+        """One shadow pass: each drafter whose budget allows drafts for the rows it follows (kept while
+        they last, topped up from this call's rows) that have no draft waiting for its score. `rows` pairs
+        each row's sequence with the most tokens the engine lets it draft. A drafter that raises (or
+        answers the wrong shape) drafts nothing in this pass; the others still do."""
         alive = {seq.key: (seq, max_k) for seq, max_k in rows}
+        share = self.share / max(1, len(drafters))
         for drafter in drafters:
             pending = self.pending.setdefault(drafter.name, {})
             for key in [k for k in pending if k not in alive]:
                 del pending[key]  # the row finished: its draft can never be scored
+            t0 = self.clock()
+            if t0 < self.next_at.get(drafter.name, 0.0):
+                continue
             followed = [k for k in self.followed.get(drafter.name, []) if k in alive]
             followed += [k for k in alive if k not in followed][: max(0, self.rows - len(followed))]
             self.followed[drafter.name] = followed
@@ -119,8 +121,9 @@ class ShadowDrafts:
                 kept = [[int(t) for t in d[:k]] for d, k in zip(drafts, ks, strict=True)]
             except Exception as exc:
                 self.on_error(drafter.name, exc)
-                continue
-            for (seq, _), tokens in zip(todo, kept, strict=True):
-                if tokens:  # a drafter with nothing to propose drafts nothing live either
-                    pending[seq.key] = _Pending(seq.epoch, len(seq.tokens), tokens)
-        self.next_at = self.clock() + (self.clock() - t0) / self.share
+            else:
+                for (seq, _), tokens in zip(todo, kept, strict=True):
+                    if tokens:  # a drafter with nothing to propose drafts nothing live either
+                        pending[seq.key] = _Pending(seq.epoch, len(seq.tokens), tokens)
+            end = self.clock()
+            self.next_at[drafter.name] = end + (end - t0) / share

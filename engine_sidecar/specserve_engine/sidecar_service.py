@@ -456,8 +456,8 @@ class SidecarService:
 
     def shadow_pass(self, table: SequenceTable) -> None:
         """After an answer went out: score the connection's pending shadow drafts against the rows' new
-        tokens, then, when its time budget allows, let the loaded drafters not in force draft for a few
-        rows (shadow.py). A shadow drafter that raises costs its shadow pass, never the connection."""
+        tokens, then let the loaded drafters not in force whose time budgets allow draft for a few rows
+        (shadow.py). A shadow drafter that raises costs its shadow pass, never the connection."""
         if self.config.shadow_share <= 0 or not table.last_rows:
             return
         shadow = self._shadows.get(table.connection)
@@ -466,8 +466,6 @@ class SidecarService:
                 self.metrics.shadow_scored, self._shadow_raised, share=self.config.shadow_share
             )
         shadow.score([seq for seq, _ in table.last_rows])
-        if not shadow.due():
-            return
         live = self.in_force.request.drafter
         others = [d for n, d in self.drafters.items() if n != live and self.status[n][0] == "loaded"]
         if others:

@@ -49,8 +49,11 @@ def _seq(row: int, tokens: list[int], epoch: int = 1) -> Seq:
 
 
 def _shadow(**kwargs: object) -> tuple[ShadowDrafts, list[tuple], list[tuple]]:
+    """Shadow drafts on a clock that stands still unless a test moves it: drafts take no time, so the
+    budget never holds a drafter back."""
     scores: list[tuple] = []
     errors: list[tuple] = []
+    kwargs.setdefault("clock", Clock())
     shadow = ShadowDrafts(
         lambda d, n, m: scores.append((d, n, m)), lambda d, e: errors.append((d, str(e))), **kwargs
     )
@@ -100,21 +103,24 @@ def test_a_drafter_follows_a_bounded_set_of_rows_and_keeps_them_while_they_last(
     assert shadow2.pending["ngram"][(1, 0)].tokens == [6, 7]
 
 
-def test_shadow_work_stays_within_its_share_and_a_raising_drafter_costs_only_its_pass() -> None:
+def test_each_shadow_drafter_stays_within_its_share_and_a_raising_one_costs_only_its_pass() -> None:
     clock = Clock()
     shadow, _, errors = _shadow(share=0.5, clock=clock)
     broken = SlowRaising(clock)
     ngram = NgramDrafter("ngram", 4)
     locks = {"broken": threading.Lock(), "ngram": threading.Lock()}
-    assert shadow.due()
     shadow.draft([broken, ngram], [(_seq(0, PROMPT), 4)], locks)
     assert errors == [("broken", "boom")]
     assert (1, 0) in shadow.pending["ngram"]  # the other drafter still drafted
-    # The pass took 10 ms: at a share of one half the next is due 20 ms after it ended.
-    clock.now = 0.029
-    assert not shadow.due()
-    clock.now = 0.03
-    assert shadow.due()
+    # Each of the two has half the share, 0.25: the 10 ms draft makes the costly one wait 40 ms after it
+    # ended, while the cheap one (no time on this clock) drafts at every pass.
+    assert shadow.next_at["broken"] == pytest.approx(0.05) and shadow.next_at["ngram"] == pytest.approx(0.01)
+    for now, broken_drafts in ((0.049, 1), (0.05, 2)):
+        clock.now = now
+        shadow.draft([broken, ngram], [(_seq(r, PROMPT), 4) for r in (0, 1)], locks)
+        assert len(errors) == broken_drafts
+        assert (1, 1) in shadow.pending["ngram"]
+        shadow.pending["ngram"].clear()
 
 
 def _reset(row: int, tokens: list[int]) -> RowUpdate:
