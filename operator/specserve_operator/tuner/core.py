@@ -630,13 +630,18 @@ def next_canary(
     for name, d in drafters.items():
         if name == state.drafter or name in state.demoted or not live_switchable(d, state.engine_drafter):
             continue
+        cost = costs.cost(view, d)
+        # Measured in the shadow now, with its own step times measured before (a trial, a time in
+        # force): everything a trial would measure is known, and a trial would run the fleet's canary
+        # on a drafter the scores already rank.
+        if accs[name].source == "shadow" and cost.own_spec_measured:
+            continue
         since_trial = now - state.last_trial_at.get(name, -math.inf)
         # Due every trial period, and sooner when its last score beats the live score of the drafter
         # in force (the traffic mix may have moved in its favour): measure it again, then compare.
         promising = state.last_score.get(name, 0.0) > active_score * (1 + SWITCH_MARGIN)
         if since_trial < TRIAL_PERIOD_S and not (promising and since_trial >= 2 * TRIAL_TICKS * interval):
             continue
-        cost = costs.cost(view, d)
         choices = policy.choose_table(accs[name], cost, speculation.batch_buckets, d.max_speculative_tokens)
         # Every bucket with a positive predicted gain, so the trial measures the drafter where it may pay.
         table = {label: (c.k if c.gain >= 1.0 else 0) for label, c in choices.items()}

@@ -211,6 +211,12 @@ class CalibratedCost:
         or borrowed from a sibling drafter): if not, every speculative step time is the prior's."""
         return bool(self.spec_ratio or self.remembered_spec or self.borrowed)
 
+    @property
+    def own_spec_measured(self) -> bool:
+        """Whether this group's own speculative steps were measured, in the window or remembered (not
+        borrowed from a sibling)."""
+        return bool(self.spec_ratio or self.remembered_spec)
+
     def measured_spec(self, label: str) -> bool:
         """Whether speculative steps in this bucket were measured, in the window or remembered."""
         return label in self.spec_ratio or label in self.remembered_spec
