@@ -637,7 +637,7 @@ def next_canary(
         if accs[name].source == "shadow" and cost.own_spec_measured:
             continue
         since_trial = now - state.last_trial_at.get(name, -math.inf)
-        # Due every trial period, and sooner when its last score beats the live score of the drafter
+        # Due every trial period, and sooner when its last score beats the last score of the drafter
         # in force (the traffic mix may have moved in its favour): measure it again, then compare.
         promising = state.last_score.get(name, 0.0) > active_score * (1 + SWITCH_MARGIN)
         if since_trial < TRIAL_PERIOD_S and not (promising and since_trial >= 2 * TRIAL_TICKS * interval):
