@@ -73,6 +73,29 @@ def test_live_drafts_come_first_and_shadow_drafts_measure_the_others(
     assert accs["ngram"].source == "prior"
 
 
+def test_shadow_scores_come_before_live_totals_from_before_a_switch(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """n-gram was switched out 30 s ago: the metrics window still holds its live drafts' totals (from the
+    traffic before the switch), the acceptance window holds none of its live per-position counts but
+    its shadow scores on the traffic of now, which are what it is ranked by."""
+    spec = spec_factory()
+    view = view_of(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
+    before_switch = [
+        row
+        for row in rows_for(NS, "pod-a", "ngram", loads, alphas=(0.9,) * 8)
+        if row[0] in (observations.DRAFTS, observations.DRAFT_TOKENS, observations.ACCEPTED)
+    ]
+    rows = rows_for(NS, "pod-a", "draft", loads, alphas=(0.6,) * 8) + before_switch
+    drafters = {d.name: d for d in spec.drafters}
+    snap = observations.build_snapshot(rows, 300.0)
+    assert core.measured_acceptance(drafters, list(snap.pods.values()))["ngram"].source == "totals"
+    snap = observations.build_snapshot(rows + shadow_rows("pod-a", "ngram", (0.3,) * 4), 300.0)
+    ngram = core.measured_acceptance(drafters, list(snap.pods.values()))["ngram"]
+    assert ngram.source == "shadow" and round(ngram.alphas[0], 3) == 0.3
+
+
 def test_a_drafter_whose_shadow_drafts_win_takes_over_without_a_trial(
     spec_factory, rows_for, bucket_load
 ) -> None:

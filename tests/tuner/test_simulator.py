@@ -314,9 +314,9 @@ def test_simulate_command(tmp_path: Path, capsys) -> None:
 def test_shadow_drafts_bring_the_fleet_to_the_drafter_the_traffic_turned_to(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Prose-like, then code-like traffic: n-gram, which a trial measured poorly on prose (demoted), is
-    measured on the code by its shadow drafts, reinstated and switched to; without shadow drafts the fleet
-    keeps the draft model for the hour the demotion lasts."""
+    """Prose-like, then code-like traffic: n-gram, which a trial measured poorly on prose, is measured on
+    the code by its shadow drafts and switched to within a few intervals; without shadow drafts the
+    fleet keeps the draft model through the code phase."""
     write_trace(tmp_path / "mix.csv", [(0.0, 2.0, 0.0), (900.0, 2.0, 1.0), (2700.0, 2.0, 1.0)])
     trace = load_trace(tmp_path / "mix.csv", tail_s=0.0)
     cfg = SimConfig(pods=2, policies=("static_on", "specserve"))
@@ -327,7 +327,7 @@ def test_shadow_drafts_bring_the_fleet_to_the_drafter_the_traffic_turned_to(
 
     sim, s = run()
     switches = [(t, d) for t, d in sim.decisions if d.action == "switchDrafter"]
-    assert switches and switches[0][1].drafter == "ngram" and "shadow" in switches[0][1].reason
+    assert switches and switches[0][1].drafter == "ngram"
     assert 900 < switches[0][0] <= 900 + 4 * cfg.evaluation_interval_s
     monkeypatch.setattr(fleet, "SHADOW_ROWS", 0)
     blind, s_blind = run()

@@ -392,13 +392,16 @@ def measured_acceptance(
 ) -> dict[str, policy.Acceptance]:
     """Acceptance per drafter on this resource's traffic in the window. Only drafters measured now are
     compared: an older measurement was taken on another traffic mix (trials and shadow drafts keep the
-    others fresh). The engine's counts of live drafts come first; a drafter without them is measured by
-    its shadow drafts, where its pods' sidecars scored enough."""
+    others fresh). In order: the engine's per-position counts of live drafts in the acceptance window;
+    the sidecars' scores of shadow drafts in that same window; the live drafts' totals over the metrics
+    window. Shadow scores come before those totals: a drafter switched out within the metrics window
+    still has live totals there, from the traffic before the switch, while the shadow measures it on
+    this traffic (docs/policy.md, "Two windows")."""
     accs: dict[str, policy.Acceptance] = {}
     for name, d in drafters.items():
         stats, fallback = _pooled_acceptance_stats(observations, name)
         acc = policy.acceptance(stats, d.max_speculative_tokens, fallback if fallback.drafts else None)
-        if acc.source == "prior":
+        if acc.source != "measured":
             shadow = policy.acceptance(_pooled_shadow(observations, name), d.max_speculative_tokens)
             if shadow.source == "measured":
                 acc = dataclasses.replace(shadow, source="shadow")
