@@ -8,9 +8,10 @@ against; sidecar-hosted drafting through the custom_class proposer; vLLM's own n
 draft-model drafters, colocated) and one sidecar process. Phase 2 starts the speculator heads vLLM runs
 colocated (EAGLE-3, EAGLE, Medusa on the tiny target; MTP inside the target re-packaged as MiMo) beside a
 stock engine per target (`--phase main` runs phases 1 and 2 alone). The overhead phase (`--phase
-overhead` runs it alone) measures engines with speculation off against a stock engine, in pairs. Each
-phase merges its figures into the results file, keeping those of the others (and of
-benchmarks/sampling_bench.py).
+overhead` runs it alone) measures engines with speculation off against a stock engine, in pairs. The
+resume phase (`--phase resume`) measures the stateful drafters resuming after a K = 0 stretch and the
+throughput across a bucket boundary. Each phase merges its figures into the results file, keeping those
+of the others (and of benchmarks/sampling_bench.py).
 All on this machine's CPU; writes the JSON results, PNG plots next to them, and tables on stdout.
 """
 
@@ -464,6 +465,7 @@ OVERHEAD_GOAL = 0.98
 RESUME_STRETCH_S = 60.0
 RESUME_DRAFTS = 800  # vLLM counts a draft per request per speculative step: 200 steps at batch 4
 RESUME_TOKENS = 256
+RESUME_CYCLES = 3
 BOUNDARY_LOW, BOUNDARY_HIGH = 3, 5  # in flight: bucket 4 (K = MAX_K) and bucket 8 (K = 0)
 BOUNDARY_S = 20.0
 BOUNDARY_PERIOD_S = 2.0
@@ -505,12 +507,9 @@ async def paired_rounds(
     return out
 
 
-async def run_overhead(
-    workdir: Path, rounds: int = OVERHEAD_ROUNDS, stretch_s: float = RESUME_STRETCH_S
-) -> dict:
+async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS) -> dict:
     """off_overhead: tokens/s of each engine with speculation off divided by a stock engine's, measured
-    in pairs (see OVERHEAD_SETUP); then, on the engines with stateful drafters while they are up,
-    resume_mal_ratio and boundary_oscillation_ratio."""
+    in pairs (see OVERHEAD_SETUP); and, while the sidecar is up, on_overhead_ms_per_step."""
     workdir.mkdir(parents=True, exist_ok=True)
     runtime = workdir / "sidecar-pod"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
@@ -518,7 +517,7 @@ async def run_overhead(
     mixed = mixed_prompts()
     stock = start_engines([engine_spec(workdir, "stock", None, stock=True)], workdir / "logs", 1200)[0]
     sidecar.wait_ready()
-    results: dict = {"resume_mal_ratio": {}, "boundary_oscillation_ratio": {}}
+    results: dict = {}
     tps: dict[str, dict[str, dict[str, list[float]]]] = {}
 
     async def all_off(engine: EngineProcess) -> None:
@@ -558,7 +557,6 @@ async def run_overhead(
                     tps.setdefault(batch, {})[spec.served_model_name] = pair["engine"]
                     tps[batch][f"stock beside {spec.served_model_name}"] = pair["stock"]
                 if spec.served_model_name == "sidecar-off":
-                    pod = pods[spec.served_model_name]
                     # The specserve path's host time per step (pack, socket, row table, answer).
                     results["on_overhead_ms_per_step"] = {
                         f"batch {rows}, context {length}": measure_rtt(
@@ -567,18 +565,6 @@ async def run_overhead(
                         for rows in (1, 16)
                         for length in (256, 4096)
                     }
-                    await stateful_drafters(
-                        results,
-                        engine,
-                        {n: _sidecar_setter(pod, n) for n in ("tiny-draft", "self", "suffix")},
-                        mixed,
-                        stretch_s,
-                        boundary="tiny-draft",
-                    )
-                if spec.served_model_name == "colocated-eagle3-off":
-                    name = "eagle3 (colocated)"
-                    setters = {name: _policy_file_setter(engine, eagle3.name)}
-                    await stateful_drafters(results, engine, setters, mixed, stretch_s, boundary=name)
             finally:
                 engine.stop()
     finally:
@@ -589,19 +575,52 @@ async def run_overhead(
     return results
 
 
+async def run_resume(workdir: Path, stretch_s: float, cycles: int) -> dict:
+    """resume_mal_ratio of the stateful drafters (the sidecar's draft model, self-speculation and suffix;
+    vLLM's EAGLE-3 colocated) and boundary_oscillation_ratio (the draft model, EAGLE-3), one engine at a
+    time."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    runtime = workdir / "sidecar-pod"
+    sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
+    eagle3 = HEADS["tiny-eagle3"]
+    results: dict = {"resume_mal_ratio": {}, "boundary_oscillation_ratio": {}}
+    hosted = engine_spec(workdir, "sidecar", ENGINE_DRAFTER, env={DEADLINE_ENV: "250"}, runtime_dir=runtime)
+    colocated = engine_spec(workdir, "colocated-eagle3", eagle3, model=target_of(eagle3))
+    try:
+        sidecar.wait_ready()
+        for spec in (hosted, colocated):
+            engine = start_engines([spec], workdir / "logs", timeout_s=1200)[0]
+            try:
+                if spec is hosted:
+                    pod = Pod(engine, sidecar)
+                    setters = {n: _sidecar_setter(pod, n) for n in ("tiny-draft", "self", "suffix")}
+                    boundary = "tiny-draft"
+                else:
+                    boundary = "eagle3 (colocated)"
+                    setters = {boundary: _policy_file_setter(engine, eagle3.name)}
+                await stateful_drafters(results, engine, setters, stretch_s, cycles, boundary)
+            finally:
+                engine.stop()
+    finally:
+        sidecar.stop()
+    return results
+
+
 async def stateful_drafters(
     results: dict,
     engine: EngineProcess,
     setters: dict[str, SetTable],
-    texts: list[str],
     stretch_s: float,
+    cycles: int,
     boundary: str,
 ) -> None:
     """resume_mal_ratio for each drafter `setters` switches on, boundary_oscillation_ratio for one."""
+    (resume_prompt, *_) = prompts("code")
     for name, setter in setters.items():
-        results["resume_mal_ratio"][name] = await resume_mal(engine, setter, texts, stretch_s)
-        print(f"resume {name}: {results['resume_mal_ratio'][name]}", file=sys.stderr)
-    ratio = await boundary_oscillation(engine, setters[boundary], texts)
+        r = await resume_mal(engine, setter, resume_prompt, stretch_s, cycles)
+        results["resume_mal_ratio"][name] = r
+        print(f"resume {name}: {r}", file=sys.stderr)
+    ratio = await boundary_oscillation(engine, setters[boundary], mixed_prompts())
     results["boundary_oscillation_ratio"][boundary] = ratio
     print(f"boundary {boundary}: {ratio}", file=sys.stderr)
 
@@ -677,19 +696,33 @@ async def mal_over(engine: EngineProcess, drafts: int) -> float:
     return 1 + (a1 - a0) / (d1 - d0)
 
 
-async def resume_mal(engine: EngineProcess, set_table: SetTable, texts: list[str], stretch_s: float) -> dict:
+async def resume_mal(
+    engine: EngineProcess, set_table: SetTable, prompt: str, stretch_s: float, cycles: int
+) -> dict:
     """MAL over the first RESUME_DRAFTS drafts after `stretch_s` of K = 0 (under load throughout),
-    divided by MAL over as many drafts before it."""
-    on = dict.fromkeys(bucket_labels(BUCKETS), MAX_K)
-    async with ClosedLoop(engine, texts, 4, RESUME_TOKENS):
+    divided by MAL over as many drafts just before it; `cycles` times in a row, the median and range of
+    the cycles' ratios. Every request is the same prompt, decoded greedily, so both windows see the same
+    text and the ratio measures the drafter's state: with a mixed code/prose set the windows' MAL moved
+    by more than the effect (code 4.6, prose 1.4 for the draft model)."""
+    on, off = dict.fromkeys(bucket_labels(BUCKETS), MAX_K), dict.fromkeys(bucket_labels(BUCKETS), 0)
+    measured = []
+    async with ClosedLoop(engine, [prompt], 4, RESUME_TOKENS):
         await set_table(on)
         await asyncio.sleep(5.0)  # past the switch and the requests that started before it
-        before = await mal_over(engine, RESUME_DRAFTS)
-        await set_table(dict.fromkeys(bucket_labels(BUCKETS), 0))
-        await asyncio.sleep(stretch_s)
-        await set_table(on)
-        after = await mal_over(engine, RESUME_DRAFTS)
-    return {"ratio": round(after / before, 3), "mal_before": round(before, 3), "mal_after": round(after, 3)}
+        for _ in range(cycles):
+            before = await mal_over(engine, RESUME_DRAFTS)
+            await set_table(off)
+            await asyncio.sleep(stretch_s)
+            await set_table(on)
+            after = await mal_over(engine, RESUME_DRAFTS)
+            measured.append({"mal_before": round(before, 3), "mal_after": round(after, 3)})
+    ratios = [m["mal_after"] / m["mal_before"] for m in measured]
+    return {
+        "ratio": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+        "cycles": measured,
+    }
 
 
 async def boundary_oscillation(engine: EngineProcess, set_table: SetTable, texts: list[str]) -> dict:
@@ -749,12 +782,17 @@ def overhead_table(results: dict) -> str:
     for batch, row in summary.items():
         cells = [f"{row[n]['median']:.3f} [{row[n]['min']:.2f}-{row[n]['max']:.2f}]" for n in names]
         lines.append(f"{batch:8}" + "".join(f"{c:>26}" for c in cells))
-    lines += [
-        "",
-        f"resume_mal_ratio (MAL after {RESUME_DRAFTS} drafts following K = 0 / before; goal >= 0.95)",
+    return "\n".join(lines)
+
+
+def resume_table(results: dict) -> str:
+    lines = [
+        f"resume_mal_ratio (MAL over {RESUME_DRAFTS} drafts after K = 0 / before, median [min-max] of "
+        "cycles; goal >= 0.95)"
     ]
     for name, r in results["resume_mal_ratio"].items():
-        lines.append(f"  {name:22} {r['ratio']:.3f}   (MAL {r['mal_before']:.2f} -> {r['mal_after']:.2f})")
+        mal = ", ".join(f"{c['mal_before']:.2f}->{c['mal_after']:.2f}" for c in r["cycles"])
+        lines.append(f"  {name:22} {r['ratio']:.3f} [{r['min']:.3f}-{r['max']:.3f}]   MAL {mal}")
     lines += ["", f"boundary_oscillation_ratio ({BOUNDARY_LOW} <-> {BOUNDARY_HIGH} in flight; goal >= 0.95)"]
     for name, r in results["boundary_oscillation_ratio"].items():
         lines.append(f"  {name:22} {r['ratio']:.3f}   {r['tokens_per_s']}")
@@ -794,14 +832,15 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine.json"))
     parser.add_argument(
         "--phase",
-        choices=("all", "main", "overhead"),
+        choices=("all", "main", "overhead", "resume"),
         default="all",
-        help="all (default): every phase; main: phases 1 and 2; overhead: only the overhead phase",
+        help="all (default): every phase; main: phases 1 and 2; overhead, resume: only that phase",
     )
     parser.add_argument("--rounds", type=int, default=OVERHEAD_ROUNDS, help="overhead rounds")
     parser.add_argument(
         "--stretch", type=float, default=RESUME_STRETCH_S, help="seconds of K = 0 before resuming"
     )
+    parser.add_argument("--cycles", type=int, default=RESUME_CYCLES, help="resume cycles per drafter")
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -828,16 +867,25 @@ def main() -> None:
         if args.phase == "main":
             print(f"\nwrote {out} and its plot")
             return
-    with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
-        measured = asyncio.run(run_overhead(Path(tmp), args.rounds, args.stretch))
-    results = json.loads(out.read_text()) if out.exists() else {}
-    results.update(measured)
-    results.setdefault("setup", {})["overhead"] = OVERHEAD_SETUP
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    overhead_plot = out.with_name(out.stem + "_overhead.png")
-    plot_overhead(measured["off_overhead"], overhead_plot)
-    print(overhead_table(measured))
-    print(f"\nwrote {out}, its plots and {overhead_plot}")
+    if args.phase in ("all", "overhead"):
+        with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
+            measured = asyncio.run(run_overhead(Path(tmp), args.rounds))
+        results = json.loads(out.read_text()) if out.exists() else {}
+        results.update(measured)
+        results.setdefault("setup", {})["overhead"] = OVERHEAD_SETUP
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        overhead_plot = out.with_name(out.stem + "_overhead.png")
+        plot_overhead(measured["off_overhead"], overhead_plot)
+        print(overhead_table(measured))
+        print(f"\nwrote {out}, its plots and {overhead_plot}")
+    if args.phase in ("all", "resume"):
+        with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
+            measured = asyncio.run(run_resume(Path(tmp), args.stretch, args.cycles))
+        results = json.loads(out.read_text()) if out.exists() else {}
+        results.update(measured)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(resume_table(measured))
+        print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
