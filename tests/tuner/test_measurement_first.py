@@ -4,6 +4,7 @@ decides for them again while the measurement is remembered, even after it leaves
 from __future__ import annotations
 
 from specserve_operator.tuner import core, observations, policy
+from specserve_testing.tuner_loads import BUCKETS, loads_at_prior
 
 NS = "ml"
 
@@ -40,20 +41,6 @@ def test_an_unmeasured_bucket_borrows_remembered_ratios_before_the_prior(spec_fa
     assert policy.CalibratedCost(prior, {}, bounds).ratio("64", 3) == 1.0  # never measured: the prior
 
 
-def _slow_speculation(bucket_load, prior, slow: float) -> dict:
-    return {
-        label: bucket_load(
-            batch=batch,
-            steps_plain=1000,
-            step_s_plain=prior.step_s(batch, 0),
-            steps_spec=1000,
-            step_s_spec=prior.step_s(batch, 3) * slow,
-            k=3,
-        )
-        for label, batch in (("4", 3.0), ("16", 12.0))
-    }
-
-
 def test_speculation_measured_slow_stays_off_after_the_window_forgets_it(
     spec_factory, rows_for, bucket_load
 ) -> None:
@@ -64,7 +51,7 @@ def test_speculation_measured_slow_stays_off_after_the_window_forgets_it(
     spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
     view = view_of(spec)
     prior = view.prior(spec.drafters[0])
-    slow = _slow_speculation(bucket_load, prior, slow=10.0)
+    slow = loads_at_prior(bucket_load, prior, slow=10.0, buckets=BUCKETS[:2])
     plain = {
         label: bucket_load(batch=b, steps_plain=1000, step_s_plain=prior.step_s(b, 0))
         for label, b in (("4", 3.0), ("16", 12.0))
@@ -89,7 +76,7 @@ def test_a_pod_first_seen_has_not_switched_drafters(spec_factory, rows_for, buck
     spec = spec.model_copy(update={"drafters": spec.drafters[:1]})  # one drafter: no trial canary
     view = view_of(spec)
     prior = view.prior(spec.drafters[0])
-    loads = _slow_speculation(bucket_load, prior, slow=10.0)
+    loads = loads_at_prior(bucket_load, prior, slow=10.0, buckets=BUCKETS[:2])
     rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
     snap = observations.build_snapshot(rows, 300.0)
     state = core.ResourceState.initial(spec)
