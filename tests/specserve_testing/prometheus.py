@@ -58,6 +58,7 @@ def backfill_openmetrics(openmetrics: str, data_dir: Path) -> None:
 
 # Row kind → (metric series, label names kept) for writing rows as Prometheus counters.
 _STEP_LABELS = ("bucket", "speculating", "drafter", "k")
+_POSITION_LABELS = ("drafter", "position")
 SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     observations.STEPS: (metric_names.ENGINE_STEPS.series[0], _STEP_LABELS),
     observations.STEP_SECONDS: (metric_names.ENGINE_STEP_SECONDS.series[0], _STEP_LABELS),
@@ -65,22 +66,10 @@ SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     observations.DRAFTS: (metric_names.SPEC_DRAFTS.series[0], ("bucket", "drafter")),
     observations.DRAFT_TOKENS: (metric_names.SPEC_DRAFT_TOKENS.series[0], ("bucket", "drafter")),
     observations.ACCEPTED: (metric_names.SPEC_ACCEPTED_TOKENS.series[0], ("bucket", "drafter")),
-    observations.ACCEPTED_POS: (
-        metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0],
-        ("drafter", "position"),
-    ),
-    observations.PROPOSED_POS: (
-        metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0],
-        ("drafter", "position"),
-    ),
-    observations.SHADOW_ACCEPTED_POS: (
-        metric_names.SIDECAR_SHADOW_ACCEPTED.series[0],
-        ("drafter", "position"),
-    ),
-    observations.SHADOW_PROPOSED_POS: (
-        metric_names.SIDECAR_SHADOW_PROPOSED.series[0],
-        ("drafter", "position"),
-    ),
+    observations.ACCEPTED_POS: (metric_names.SPEC_ACCEPTED_TOKENS_PER_POSITION.series[0], _POSITION_LABELS),
+    observations.PROPOSED_POS: (metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], _POSITION_LABELS),
+    observations.SHADOW_ACCEPTED_POS: (metric_names.SIDECAR_SHADOW_ACCEPTED.series[0], _POSITION_LABELS),
+    observations.SHADOW_PROPOSED_POS: (metric_names.SIDECAR_SHADOW_PROPOSED.series[0], _POSITION_LABELS),
 }
 
 
