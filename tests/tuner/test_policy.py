@@ -200,6 +200,36 @@ def test_cliff_is_the_first_batch_where_no_k_reaches_min_gain() -> None:
     )
 
 
+def test_an_unmeasured_bucket_pays_no_more_than_a_smaller_measured_one() -> None:
+    """Buckets 1 and 2 measured as predicted, bucket 4 measured three times slower when speculating:
+    bucket 8, never measured, borrows the median ratio (1.0) and would be predicted to pay well, past a
+    smaller bucket measured to lose. Gain falls with batch size, so it is capped there: off, like 4."""
+    p = prior("draftModel")
+
+    def stats(batch: float, spec_factor: float) -> BucketStats:
+        return BucketStats(
+            steps_plain=1000,
+            seconds_plain=1000 * p.step_s(batch, 0),
+            tokens_plain=1000 * batch,
+            steps_spec=1000,
+            seconds_spec=1000 * p.step_s(batch, 3) * spec_factor,
+            drafts=1000 * batch,
+            draft_tokens=3000 * batch,
+        )
+
+    cost = tuner_policy.CalibratedCost(
+        p, {"1": stats(1, 1.0), "2": stats(2, 1.0), "4": stats(4, 3.0)}, BOUNDS
+    )
+    acc = flat_acceptance(0.8)
+    uncapped = tuner_policy.best_k(acc, cost, "8", 4)
+    table = tuner_policy.choose_table(acc, cost, BOUNDS, 4)
+    assert table["4"].gain < 1.0 < uncapped.gain
+    assert table["8"].gain == pytest.approx(table["4"].gain) and table["+Inf"].gain <= table["4"].gain
+    assert table["1"] == tuner_policy.best_k(acc, cost, "1", 4)  # measured buckets keep their own
+    assert tuner_policy.cliff_batch_size(acc, cost, BOUNDS, 4, 1.1) <= 4
+    assert tuner_policy.drafter_score(acc, cost, BOUNDS, 4, {"8": 1.0}) == 1.0
+
+
 def choice(k: int, gain: float) -> tuner_policy.BucketChoice:
     return tuner_policy.BucketChoice(k, gain, tuple(gain if i + 1 == k else gain * 0.9 for i in range(4)))
 

@@ -133,32 +133,38 @@ def test_a_poor_shadow_score_does_not_demote_a_drafter_not_in_force(
     assert "ngram" not in d.demoted and d.drafter == "draft"
 
 
-def test_a_drafter_measured_in_the_shadow_gets_a_trial_only_for_step_times_never_measured(
+def test_a_drafter_measured_in_the_shadow_gets_a_trial_only_where_its_score_cannot_decide(
     spec_factory, rows_for, bucket_load
 ) -> None:
     """A trial runs a canary on another drafter to learn its acceptance and its step times. The shadow
-    gives the acceptance; so n-gram, scored in the shadow, is tried while its own speculative steps were
-    never timed, and not once they were (here: remembered from an earlier time in force)."""
+    gives the acceptance; so n-gram, scored in the shadow, is tried only while its own speculative steps
+    were never timed and its score (on borrowed step times) comes within the switch margin of the drafter
+    in force: not when it is clearly worse, and not once its steps were timed (here: remembered from an
+    earlier time in force)."""
     from specserve_operator.tuner import policy
 
     spec = spec_factory()
     view = view_of(spec)
     ngram = next(d for d in spec.drafters if d.name == "ngram")
     loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
-    rows = []
-    for pod in ("pod-a", "pod-b"):
-        rows += rows_for(NS, pod, "draft", loads, alphas=(0.8,) * 8) + shadow_rows(pod, "ngram", (0.5,) * 4)
-    snap = observations.build_snapshot(rows, 300.0)
 
-    def first_decision(memory: policy.RatioMemory) -> core.Decision:
+    def first_decision(ngram_alpha: float, memory: policy.RatioMemory) -> core.Decision:
+        rows = []
+        for pod in ("pod-a", "pod-b"):
+            rows += rows_for(NS, pod, "draft", loads, alphas=(0.8,) * 8)
+            rows += shadow_rows(pod, "ngram", (ngram_alpha,) * 4)
+        snap = observations.build_snapshot(rows, 300.0)
         state = core.ResourceState.initial(spec)
         return core.decide(view, snap, state, core.FleetCosts([view], snap, (), memory, 0.0), 0.0)
 
-    never_timed = first_decision(policy.RatioMemory())
-    assert "trial of drafter ngram" in never_timed.reason
-    assert {p.drafter for p in never_timed.pods.values()} == {"draft", "ngram"}  # a canary pod
+    close = first_decision(0.65, policy.RatioMemory())
+    assert abs(close.scores["ngram"] / close.scores["draft"] - 1) < core.SWITCH_MARGIN
+    assert "trial of drafter ngram" in close.reason
+    assert {p.drafter for p in close.pods.values()} == {"draft", "ngram"}  # a canary pod
+    worse = first_decision(0.3, policy.RatioMemory())
+    assert worse.scores["ngram"] * (1 + core.SWITCH_MARGIN) < worse.scores["draft"]
+    assert "trial" not in worse.reason and {p.drafter for p in worse.pods.values()} == {"draft"}
     timed = policy.RatioMemory()
     timed.record(view.cost_group(ngram), {}, {"4": 1.0, "16": 1.0}, 0.0)
-    known = first_decision(timed)
+    known = first_decision(0.65, timed)
     assert "trial" not in known.reason and {p.drafter for p in known.pods.values()} == {"draft"}
-    assert known.scores["ngram"] < known.scores["draft"]  # ranked from the shadow all the same

@@ -634,10 +634,13 @@ def next_canary(
         if name == state.drafter or name in state.demoted or not live_switchable(d, state.engine_drafter):
             continue
         cost = costs.cost(view, d)
-        # Measured in the shadow now, with its own step times measured before (a trial, a time in
-        # force): everything a trial would measure is known, and a trial would run the fleet's canary
-        # on a drafter the scores already rank.
-        if accs[name].source == "shadow" and cost.own_spec_measured:
+        # Measured in the shadow now: its acceptance is known. With its own step times measured before
+        # (a trial, a time in force) everything a trial would measure is known; without them its score
+        # rests on borrowed step times, and a trial is worth its canary only where that score comes
+        # within the switch margin of the drafter in force (clearly better: `better_drafter` switches).
+        if accs[name].source == "shadow" and (
+            cost.own_spec_measured or state.last_score.get(name, 0.0) * (1 + SWITCH_MARGIN) < active_score
+        ):
             continue
         since_trial = now - state.last_trial_at.get(name, -math.inf)
         # Due every trial period, and sooner when its last score beats the last score of the drafter

@@ -264,10 +264,36 @@ def best_k(
     return BucketChoice(k, gains[k - 1], gains)
 
 
+def gain_caps(choices: Mapping[str, BucketChoice], cost: CalibratedCost) -> dict[str, float]:
+    """Per bucket, the lowest best gain of the smaller buckets whose speculative steps were measured.
+
+    Gain falls with batch size (verification turns compute-bound), so a bucket without a step-time
+    measurement of its own, predicted from the prior and borrowed ratios, cannot pay more than a
+    smaller bucket measured to pay that much: a measurement is never overridden by an extrapolation."""
+    caps: dict[str, float] = {}
+    cap = math.inf
+    for label, choice in choices.items():  # bucket order, smallest batch first
+        caps[label] = cap
+        if cost.measured_spec(label):
+            cap = min(cap, choice.gain)
+    return caps
+
+
+def _capped(choice: BucketChoice, cap: float) -> BucketChoice:
+    if choice.gain <= cap:
+        return choice
+    gains = tuple(min(g, cap) for g in choice.gains)
+    k = max(range(1, len(gains) + 1), key=lambda i: (round(gains[i - 1], 12), -i))
+    return BucketChoice(k, gains[k - 1], gains)
+
+
 def choose_table(
     acc: Acceptance, cost: CalibratedCost, bounds: Sequence[int], max_k: int
 ) -> dict[str, BucketChoice]:
-    return {label: best_k(acc, cost, label, max_k) for label in bucket_labels(bounds)}
+    """Every bucket's best K and gain, an unmeasured bucket's gain capped by `gain_caps`."""
+    choices = {label: best_k(acc, cost, label, max_k) for label in bucket_labels(bounds)}
+    caps = gain_caps(choices, cost)
+    return {label: _capped(choice, caps[label]) for label, choice in choices.items()}
 
 
 def cliff_batch_size(
@@ -276,10 +302,13 @@ def cliff_batch_size(
     """The smallest batch size at which no K reaches `min_gain` (None: speculation pays everywhere).
 
     Gain falls with batch size (verification turns compute-bound), so the first bucket whose upper end
-    fails is found first, then the exact batch inside it by bisection."""
+    fails is found first, then the exact batch inside it by bisection. A bucket's gain is capped as
+    the table's is (`gain_caps`)."""
+    caps = gain_caps({label: best_k(acc, cost, label, max_k) for label in bucket_labels(bounds)}, cost)
 
     def pays(batch: int) -> bool:
-        return best_k(acc, cost, _label_for(batch, bounds), max_k, batch).gain >= min_gain
+        label = _label_for(batch, bounds)
+        return min(best_k(acc, cost, label, max_k, batch).gain, caps[label]) >= min_gain
 
     for lo, hi in cost.ranges.values():
         if pays(hi):
@@ -375,9 +404,6 @@ def drafter_score(
     if total <= 0:
         weights = {label: 1.0 for label in bucket_labels(bounds)}
         total = float(len(weights))
-    score = 0.0
-    for label, w in weights.items():
-        if label not in cost.ranges:
-            continue
-        score += w * max(1.0, best_k(acc, cost, label, max_k).gain)
+    choices = choose_table(acc, cost, bounds, max_k)
+    score = sum(w * max(1.0, choices[label].gain) for label, w in weights.items() if label in choices)
     return score / total
