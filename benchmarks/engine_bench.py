@@ -10,8 +10,8 @@ colocated (EAGLE-3, EAGLE, Medusa on the tiny target; MTP inside the target re-p
 stock engine per target (`--phase main` runs phases 1 and 2 alone). The overhead phase (`--phase
 overhead` runs it alone) measures engines with speculation off against a stock engine, in pairs. The
 resume phase (`--phase resume`) measures the stateful drafters resuming after a K = 0 stretch and the
-throughput across a bucket boundary. Each phase merges its figures into the results file, keeping those
-of the others (and of benchmarks/sampling_bench.py).
+throughput across a bucket boundary (`--phase boundary`: the boundary alone). Each phase merges its
+figures into the results file, keeping those of the others (and of benchmarks/sampling_bench.py).
 All on this machine's CPU; writes the JSON results, PNG plots next to them, and tables on stdout.
 """
 
@@ -467,8 +467,9 @@ RESUME_DRAFTS = 800  # vLLM counts a draft per request per speculative step: 200
 RESUME_TOKENS = 256
 RESUME_CYCLES = 3
 BOUNDARY_LOW, BOUNDARY_HIGH = 3, 5  # in flight: bucket 4 (K = MAX_K) and bucket 8 (K = 0)
-BOUNDARY_S = 20.0
+BOUNDARY_S = 15.0
 BOUNDARY_PERIOD_S = 2.0
+BOUNDARY_ROUNDS = 3
 
 
 OVERHEAD_SETUP = (
@@ -507,9 +508,10 @@ async def paired_rounds(
     return out
 
 
-async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS) -> dict:
-    """off_overhead: tokens/s of each engine with speculation off divided by a stock engine's, measured
-    in pairs (see OVERHEAD_SETUP); and, while the sidecar is up, on_overhead_ms_per_step."""
+async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS, only: tuple[str, ...] = ()) -> dict:
+    """off_overhead: tokens/s of each engine with speculation off (those named in `only`, else all)
+    divided by a stock engine's, measured in pairs (see OVERHEAD_SETUP); and, while the sidecar is up,
+    on_overhead_ms_per_step."""
     workdir.mkdir(parents=True, exist_ok=True)
     runtime = workdir / "sidecar-pod"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
@@ -545,6 +547,8 @@ async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS) -> dict:
     ]
     try:
         for spec, turn_off in candidates:
+            if only and spec.served_model_name not in only:
+                continue
             t0 = time.perf_counter()
             engine = start_engines([spec], workdir / "logs", timeout_s=1200)[0]
             print(f"{spec.served_model_name} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -575,15 +579,17 @@ async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS) -> dict:
     return results
 
 
-async def run_resume(workdir: Path, stretch_s: float, cycles: int) -> dict:
+async def run_resume(workdir: Path, stretch_s: float, cycles: int, resume: bool = True) -> dict:
     """resume_mal_ratio of the stateful drafters (the sidecar's draft model, self-speculation and suffix;
-    vLLM's EAGLE-3 colocated) and boundary_oscillation_ratio (the draft model, EAGLE-3), one engine at a
-    time."""
+    vLLM's EAGLE-3 colocated; skipped without `resume`) and boundary_oscillation_ratio (the draft model,
+    EAGLE-3), one engine at a time."""
     workdir.mkdir(parents=True, exist_ok=True)
     runtime = workdir / "sidecar-pod"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
     eagle3 = HEADS["tiny-eagle3"]
-    results: dict = {"resume_mal_ratio": {}, "boundary_oscillation_ratio": {}}
+    results: dict = {"boundary_oscillation_ratio": {}}
+    if resume:
+        results["resume_mal_ratio"] = {}
     hosted = engine_spec(workdir, "sidecar", ENGINE_DRAFTER, env={DEADLINE_ENV: "250"}, runtime_dir=runtime)
     colocated = engine_spec(workdir, "colocated-eagle3", eagle3, model=target_of(eagle3))
     try:
@@ -614,9 +620,10 @@ async def stateful_drafters(
     cycles: int,
     boundary: str,
 ) -> None:
-    """resume_mal_ratio for each drafter `setters` switches on, boundary_oscillation_ratio for one."""
+    """resume_mal_ratio for each drafter `setters` switches on (where `results` asks for it),
+    boundary_oscillation_ratio for one."""
     (resume_prompt, *_) = prompts("code")
-    for name, setter in setters.items():
+    for name, setter in setters.items() if "resume_mal_ratio" in results else ():
         r = await resume_mal(engine, setter, resume_prompt, stretch_s, cycles)
         results["resume_mal_ratio"][name] = r
         print(f"resume {name}: {r}", file=sys.stderr)
@@ -728,32 +735,43 @@ async def resume_mal(
 async def boundary_oscillation(engine: EngineProcess, set_table: SetTable, texts: list[str]) -> dict:
     """Tokens/s while the load alternates between BOUNDARY_LOW and BOUNDARY_HIGH requests in flight
     across a bucket boundary where K changes (K = MAX_K up to bucket 4, 0 above), divided by the mean of
-    the two steady states' tokens/s (half the time at each)."""
+    the two steady states' tokens/s (half the time at each). BOUNDARY_ROUNDS rounds, the three loads
+    interleaved in a rotating order within each, so a slow spell of the machine falls on all three; the
+    median and range of the rounds' ratios."""
     table = {b: (MAX_K if b in ("1", "2", "4") else 0) for b in bucket_labels(BUCKETS)}
     await set_table(table)
-    steady = {}
-    for n in (BOUNDARY_LOW, BOUNDARY_HIGH):
-        async with ClosedLoop(engine, texts, n, 64) as load:
-            await asyncio.sleep(1.0)
-            g0, t0 = load.generated, time.perf_counter()
-            await asyncio.sleep(BOUNDARY_S)
-            steady[n] = (load.generated - g0) / (time.perf_counter() - t0)
-    async with ClosedLoop(engine, texts, BOUNDARY_HIGH, 64) as load:
+    loads = (f"steady {BOUNDARY_LOW}", f"steady {BOUNDARY_HIGH}", "alternating")
+    rounds = []
+    for r in range(BOUNDARY_ROUNDS):
+        measured = {}
+        for load_name in loads[r % 3 :] + loads[: r % 3]:
+            measured[load_name] = await _boundary_load(engine, texts, load_name)
+        interpolated = (measured[loads[0]] + measured[loads[1]]) / 2
+        rounds.append(
+            {n: round(measured[n], 1) for n in loads} | {"ratio": round(measured[loads[2]] / interpolated, 3)}
+        )
+    ratios = [r["ratio"] for r in rounds]
+    return {
+        "ratio": round(statistics.median(ratios), 3),
+        "min": min(ratios),
+        "max": max(ratios),
+        "rounds": rounds,
+    }
+
+
+async def _boundary_load(engine: EngineProcess, texts: list[str], load_name: str) -> float:
+    """Tokens/s over BOUNDARY_S of one boundary load: steady at BOUNDARY_LOW or BOUNDARY_HIGH requests in
+    flight, or alternating between them every half BOUNDARY_PERIOD_S."""
+    alternating = load_name == "alternating"
+    slots = BOUNDARY_HIGH if alternating or load_name.endswith(str(BOUNDARY_HIGH)) else BOUNDARY_LOW
+    async with ClosedLoop(engine, texts, slots, 64) as load:
         await asyncio.sleep(1.0)
         g0, t0 = load.generated, time.perf_counter()
         while time.perf_counter() - t0 < BOUNDARY_S:
-            load.active = BOUNDARY_LOW if load.active == BOUNDARY_HIGH else BOUNDARY_HIGH
+            if alternating:
+                load.active = BOUNDARY_LOW if load.active == BOUNDARY_HIGH else BOUNDARY_HIGH
             await asyncio.sleep(BOUNDARY_PERIOD_S / 2)
-        alternating = (load.generated - g0) / (time.perf_counter() - t0)
-    interpolated = (steady[BOUNDARY_LOW] + steady[BOUNDARY_HIGH]) / 2
-    return {
-        "ratio": round(alternating / interpolated, 3),
-        "tokens_per_s": {
-            f"steady {BOUNDARY_LOW}": round(steady[BOUNDARY_LOW], 1),
-            f"steady {BOUNDARY_HIGH}": round(steady[BOUNDARY_HIGH], 1),
-            "alternating": round(alternating, 1),
-        },
-    }
+        return (load.generated - g0) / (time.perf_counter() - t0)
 
 
 def overhead_summary(tps: dict[str, dict[str, list[float]]]) -> dict:
@@ -790,12 +808,17 @@ def resume_table(results: dict) -> str:
         f"resume_mal_ratio (MAL over {RESUME_DRAFTS} drafts after K = 0 / before, median [min-max] of "
         "cycles; goal >= 0.95)"
     ]
-    for name, r in results["resume_mal_ratio"].items():
+    for name, r in results.get("resume_mal_ratio", {}).items():
         mal = ", ".join(f"{c['mal_before']:.2f}->{c['mal_after']:.2f}" for c in r["cycles"])
         lines.append(f"  {name:22} {r['ratio']:.3f} [{r['min']:.3f}-{r['max']:.3f}]   MAL {mal}")
-    lines += ["", f"boundary_oscillation_ratio ({BOUNDARY_LOW} <-> {BOUNDARY_HIGH} in flight; goal >= 0.95)"]
+    lines += [
+        "",
+        f"boundary_oscillation_ratio ({BOUNDARY_LOW} <-> {BOUNDARY_HIGH} in flight, median [min-max] of "
+        f"{BOUNDARY_ROUNDS} rounds; goal >= 0.95)",
+    ]
     for name, r in results["boundary_oscillation_ratio"].items():
-        lines.append(f"  {name:22} {r['ratio']:.3f}   {r['tokens_per_s']}")
+        lines.append(f"  {name:22} {r['ratio']:.3f} [{r['min']:.3f}-{r['max']:.3f}]")
+        lines += [f"    round {i + 1}: {tps}" for i, tps in enumerate(r["rounds"])]
     return "\n".join(lines)
 
 
@@ -832,11 +855,18 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine.json"))
     parser.add_argument(
         "--phase",
-        choices=("all", "main", "overhead", "resume"),
+        choices=("all", "main", "overhead", "resume", "boundary"),
         default="all",
-        help="all (default): every phase; main: phases 1 and 2; overhead, resume: only that phase",
+        help="all (default): every phase; main: phases 1 and 2; overhead, resume: only that phase; "
+        "boundary: only the resume phase's boundary oscillation",
     )
     parser.add_argument("--rounds", type=int, default=OVERHEAD_ROUNDS, help="overhead rounds")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="overhead: measure only these candidates (comma-separated, e.g. sidecar-off) and replace "
+        "their figures in the results, keeping the others'",
+    )
     parser.add_argument(
         "--stretch", type=float, default=RESUME_STRETCH_S, help="seconds of K = 0 before resuming"
     )
@@ -869,8 +899,15 @@ def main() -> None:
             return
     if args.phase in ("all", "overhead"):
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
-            measured = asyncio.run(run_overhead(Path(tmp), args.rounds))
+            only = tuple(n for n in args.only.split(",") if n)
+            measured = asyncio.run(run_overhead(Path(tmp), args.rounds, only))
         results = json.loads(out.read_text()) if out.exists() else {}
+        if only:  # the other candidates' figures stay; the summary is made again from all of them
+            tps = results.get("off_overhead_tokens_per_s", {})
+            for batch, row in measured["off_overhead_tokens_per_s"].items():
+                tps.setdefault(batch, {}).update(row)
+            measured["off_overhead_tokens_per_s"] = tps
+            measured["off_overhead"] = overhead_summary(tps)
         results.update(measured)
         results.setdefault("setup", {})["overhead"] = OVERHEAD_SETUP
         out.write_text(json.dumps(results, indent=2) + "\n")
@@ -878,9 +915,10 @@ def main() -> None:
         plot_overhead(measured["off_overhead"], overhead_plot)
         print(overhead_table(measured))
         print(f"\nwrote {out}, its plots and {overhead_plot}")
-    if args.phase in ("all", "resume"):
+    if args.phase in ("all", "resume", "boundary"):
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
-            measured = asyncio.run(run_resume(Path(tmp), args.stretch, args.cycles))
+            resume = args.phase != "boundary"
+            measured = asyncio.run(run_resume(Path(tmp), args.stretch, args.cycles, resume))
         results = json.loads(out.read_text()) if out.exists() else {}
         results.update(measured)
         out.write_text(json.dumps(results, indent=2) + "\n")

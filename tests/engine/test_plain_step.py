@@ -159,15 +159,20 @@ def test_a_stateful_drafter_skips_requests_it_missed_tokens_of(
     stale = engine.add(texts[:3])
     engine.run(steps=4)  # the old requests run K = 0 steps: EAGLE's cache misses their tokens
     engine.policy(2, MAX_K)
+    # Speculation on, stale requests alone: their drafts would be dropped, so their steps run plain.
+    proposals = _count_calls(runner.drafter, "propose")
+    plain_steps, spec_steps = runner.plain_steps, runner.spec_steps
+    done = engine.run(steps=4)
+    assert (proposals, runner.spec_steps) == ([], spec_steps) and runner.plain_steps == plain_steps + 4
     fresh = engine.add(texts[3:])
-    done = engine.run()
+    done |= engine.run()
     assert [done[i] for i in stale + fresh] == reference
 
     def drafts_of(request: str) -> int:  # the engine core knows a request by its id and a suffix
         return sum(n for req_id, n in drafted.items() if req_id.startswith(f"{request}-"))
 
     assert [drafts_of(i) for i in stale] == [0] * len(stale)  # never drafted from a stale cache
-    assert all(drafts_of(i) > 0 for i in fresh)
+    assert all(drafts_of(i) > 0 for i in fresh) and proposals  # with fresh requests in it, it drafts
 
 
 def test_k0_steps_are_plain_and_output_is_unchanged(

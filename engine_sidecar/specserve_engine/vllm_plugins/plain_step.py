@@ -17,7 +17,7 @@ engine_args.py) is vLLM's worker for the platform whose model runner is `PlainSt
 - drafters with their own KV cache (EAGLE, EAGLE-3, MTP, draft model) missed the tokens of a skipped
   step, and their cache for those positions is stale: the requests that were in a skipped step get no
   drafts from them until they finish (correct output, no drafting from stale state); requests admitted
-  later draft normally.
+  later draft normally, and a step of stale requests alone runs plain (its drafts would all be dropped).
 
 After every step of a speculative engine, vLLM's engine core asks the worker for the drafts it proposed:
 where the worker runs in its own process (the CPU backend always, GPUs with tensor parallelism) that is a
@@ -116,8 +116,11 @@ class PlainStepRunner:
         for req_id in scheduler_output.finished_req_ids:
             self._stale.discard(req_id)
             self._suffix_seen.pop(req_id, None)
-        self._plain_now = scheduler_output.total_num_scheduled_tokens > 0 and is_plain_step(
-            scheduler_output.num_spec_tokens_to_schedule, scheduler_output.scheduled_spec_decode_tokens
+        self._plain_now = scheduler_output.total_num_scheduled_tokens > 0 and (
+            is_plain_step(
+                scheduler_output.num_spec_tokens_to_schedule, scheduler_output.scheduled_spec_decode_tokens
+            )
+            or self._only_stale(scheduler_output)
         )
         if not self._plain_now:
             return super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
@@ -126,6 +129,16 @@ class PlainStepRunner:
             return super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         finally:
             self.speculative_config = self._spec_config
+
+    def _only_stale(self: Any, scheduler_output: Any) -> bool:
+        """Nothing to verify and every request in the step one the drafter would not draft for (stale):
+        its drafts would all be dropped, so the step runs plain instead of paying the drafter for none."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        return (
+            bool(self._stale)
+            and not any(scheduler_output.scheduled_spec_decode_tokens.values())
+            and all(req_id in self._stale for req_id in scheduled)
+        )
 
     def sample_tokens(self: Any, grammar_output: Any) -> Any:
         if not self._plain_now:
