@@ -460,7 +460,7 @@ async def run(workdir: Path) -> dict:
 
 # The overhead phase: an engine whose speculation is off against vLLM started as users start it.
 OVERHEAD_BATCHES = (1, 4, 16, 32)
-OVERHEAD_ROUNDS = 8
+OVERHEAD_ROUNDS = 16
 OVERHEAD_GOAL = 0.98
 RESUME_STRETCH_S = 60.0
 RESUME_DRAFTS = 800  # vLLM counts a draft per request per speculative step: 200 steps at batch 4
@@ -575,6 +575,7 @@ async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS, only: tuple
         stock.stop()
         sidecar.stop()
     results["off_overhead"] = overhead_summary(tps)
+    results["off_overhead_pooled"] = pooled_overhead(tps)
     results["off_overhead_tokens_per_s"] = tps
     return results
 
@@ -792,6 +793,32 @@ def overhead_summary(tps: dict[str, dict[str, list[float]]]) -> dict:
     return out
 
 
+def pooled_overhead(tps: dict[str, dict[str, list[float]]], resamples: int = 2000) -> dict:
+    """Per engine, every pair ratio of every batch size pooled: their median and a bootstrap 95 %
+    interval of that median. One cell's median of a few noisy pairs moves by more than the effect; the
+    pooled interval says what the whole run can tell apart from 1.0."""
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    for name in next(iter(tps.values())):
+        if name.startswith("stock beside "):
+            continue
+        ratios = np.array(
+            [
+                v / s
+                for row in tps.values()
+                for v, s in zip(row[name], row[f"stock beside {name}"], strict=True)
+            ]
+        )
+        medians = np.median(rng.choice(ratios, (resamples, len(ratios))), axis=1)
+        lo, hi = np.percentile(medians, [2.5, 97.5])
+        out[name] = {
+            "pairs": len(ratios),
+            "median": round(float(np.median(ratios)), 3),
+            "ci95": [round(float(lo), 3), round(float(hi), 3)],
+        }
+    return out
+
+
 def overhead_table(results: dict) -> str:
     summary = results["off_overhead"]
     names = list(next(iter(summary.values())))
@@ -800,6 +827,12 @@ def overhead_table(results: dict) -> str:
     for batch, row in summary.items():
         cells = [f"{row[n]['median']:.3f} [{row[n]['min']:.2f}-{row[n]['max']:.2f}]" for n in names]
         lines.append(f"{batch:8}" + "".join(f"{c:>26}" for c in cells))
+    pooled = results["off_overhead_pooled"]
+    cells = [
+        f"{pooled[n]['median']:.3f} [{pooled[n]['ci95'][0]:.2f}-{pooled[n]['ci95'][1]:.2f}]" for n in names
+    ]
+    lines.append(f"{'pooled':8}" + "".join(f"{c:>26}" for c in cells))
+    lines.append("(pooled: every batch size's pairs, their median and its bootstrap 95 % interval)")
     return "\n".join(lines)
 
 
@@ -908,6 +941,7 @@ def main() -> None:
                 tps.setdefault(batch, {}).update(row)
             measured["off_overhead_tokens_per_s"] = tps
             measured["off_overhead"] = overhead_summary(tps)
+            measured["off_overhead_pooled"] = pooled_overhead(tps)
         results.update(measured)
         results.setdefault("setup", {})["overhead"] = OVERHEAD_SETUP
         out.write_text(json.dumps(results, indent=2) + "\n")
