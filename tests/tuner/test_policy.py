@@ -26,6 +26,19 @@ def flat_acceptance(alpha: float, n: int = 8) -> tuner_policy.Acceptance:
     return tuner_policy.Acceptance((alpha,) * n, "measured")
 
 
+def measured_at(p: costmodel.StepCostPrior, batch: float, spec_factor: float) -> BucketStats:
+    """A bucket's counters: 1,000 plain steps as the prior predicts, 1,000 at K = 3 `spec_factor` slower."""
+    return BucketStats(
+        steps_plain=1000,
+        seconds_plain=1000 * p.step_s(batch, 0),
+        tokens_plain=1000 * batch,
+        steps_spec=1000,
+        seconds_spec=1000 * p.step_s(batch, 3) * spec_factor,
+        drafts=1000 * batch,
+        draft_tokens=3000 * batch,
+    )
+
+
 # ---- cost model -------------------------------------------------------------------------------------
 
 
@@ -201,31 +214,22 @@ def test_cliff_is_the_first_batch_where_no_k_reaches_min_gain() -> None:
 
 
 def test_an_unmeasured_bucket_pays_no_more_than_a_smaller_measured_one() -> None:
-    """Buckets 1 and 2 measured as predicted, bucket 4 measured three times slower when speculating:
+    """Bucket 1 measured as predicted, bucket 2 faster, bucket 4 three times slower when speculating:
     bucket 8, never measured, borrows the median ratio (1.0) and would be predicted to pay well, past a
     smaller bucket measured to lose. Gain falls with batch size, so it is capped there: off, like 4."""
     p = prior("draftModel")
 
-    def stats(batch: float, spec_factor: float) -> BucketStats:
-        return BucketStats(
-            steps_plain=1000,
-            seconds_plain=1000 * p.step_s(batch, 0),
-            tokens_plain=1000 * batch,
-            steps_spec=1000,
-            seconds_spec=1000 * p.step_s(batch, 3) * spec_factor,
-            drafts=1000 * batch,
-            draft_tokens=3000 * batch,
-        )
-
-    cost = tuner_policy.CalibratedCost(
-        p, {"1": stats(1, 1.0), "2": stats(2, 1.0), "4": stats(4, 3.0)}, BOUNDS
-    )
+    measured = {"1": measured_at(p, 1, 1.0), "2": measured_at(p, 2, 0.7), "4": measured_at(p, 4, 3.0)}
+    cost = tuner_policy.CalibratedCost(p, measured, BOUNDS)
     acc = flat_acceptance(0.8)
     uncapped = tuner_policy.best_k(acc, cost, "8", 4)
     table = tuner_policy.choose_table(acc, cost, BOUNDS, 4)
     assert table["4"].gain < 1.0 < uncapped.gain
     assert table["8"].gain == pytest.approx(table["4"].gain) and table["+Inf"].gain <= table["4"].gain
-    assert table["1"] == tuner_policy.best_k(acc, cost, "1", 4)  # measured buckets keep their own
+    # Measured buckets keep their own gain, even bucket 2's, measured faster than bucket 1.
+    assert table["2"].gain > table["1"].gain
+    for label in ("1", "2", "4"):
+        assert table[label] == tuner_policy.best_k(acc, cost, label, 4)
     assert tuner_policy.cliff_batch_size(acc, cost, BOUNDS, 4, 1.1) <= 4
     assert tuner_policy.drafter_score(acc, cost, BOUNDS, 4, {"8": 1.0}) == 1.0
 
@@ -300,27 +304,16 @@ def test_drafter_score_weights_buckets_by_traffic() -> None:
 def test_remembered_ratio_fills_an_unmeasured_bucket_and_a_fresh_measurement_wins() -> None:
     p = prior()
 
-    def stats(batch: float, spec_factor: float) -> BucketStats:
-        return BucketStats(
-            steps_plain=1000,
-            seconds_plain=1000 * p.step_s(batch, 0),
-            tokens_plain=1000 * batch,
-            steps_spec=1000,
-            seconds_spec=1000 * p.step_s(batch, 3) * spec_factor,
-            drafts=1000 * batch,
-            draft_tokens=3000 * batch,
-        )
-
     memory = tuner_policy.RatioMemory(ttl_s=600.0)
     memory.record("g", {"64": 1.1}, {"64": 2.5}, now=0.0)
     cost = tuner_policy.CalibratedCost(
-        p, {"8": stats(6.0, 1.0)}, BOUNDS, remembered=memory.recall("g", 100.0)
+        p, {"8": measured_at(p, 6.0, 1.0)}, BOUNDS, remembered=memory.recall("g", 100.0)
     )
     assert cost.ratio("64", 3) == pytest.approx(2.5) and cost.ratio("64", 0) == pytest.approx(1.1)
     assert cost.ratio("32", 3) == pytest.approx(1.0)  # neither measured nor remembered: the median
     # A fresh measurement in the window wins over the remembered ratio, and replaces it.
     fresh = tuner_policy.CalibratedCost(
-        p, {"64": stats(48.0, 1.4)}, BOUNDS, remembered=memory.recall("g", 200.0)
+        p, {"64": measured_at(p, 48.0, 1.4)}, BOUNDS, remembered=memory.recall("g", 200.0)
     )
     assert fresh.ratio("64", 3) == pytest.approx(1.4, rel=0.02)
     memory.record("g", fresh.plain_ratio, fresh.spec_ratio, now=200.0)

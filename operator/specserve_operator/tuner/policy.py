@@ -265,17 +265,20 @@ def best_k(
 
 
 def gain_caps(choices: Mapping[str, BucketChoice], cost: CalibratedCost) -> dict[str, float]:
-    """Per bucket, the lowest best gain of the smaller buckets whose speculative steps were measured.
+    """Per bucket, the most gain it may be predicted: for a bucket whose speculative steps were never
+    measured, the lowest best gain of the smaller buckets that were; for a measured one, no cap.
 
-    Gain falls with batch size (verification turns compute-bound), so a bucket without a step-time
-    measurement of its own, predicted from the prior and borrowed ratios, cannot pay more than a
-    smaller bucket measured to pay that much: a measurement is never overridden by an extrapolation."""
+    Gain falls with batch size (verification turns compute-bound), so a bucket predicted from the prior
+    and borrowed ratios cannot pay more than a smaller bucket measured to pay that much: a measurement
+    is never overridden by an extrapolation (and stands on its own)."""
     caps: dict[str, float] = {}
-    cap = math.inf
+    lowest_measured = math.inf
     for label, choice in choices.items():  # bucket order, smallest batch first
-        caps[label] = cap
         if cost.measured_spec(label):
-            cap = min(cap, choice.gain)
+            caps[label] = math.inf
+            lowest_measured = min(lowest_measured, choice.gain)
+        else:
+            caps[label] = lowest_measured
     return caps
 
 
