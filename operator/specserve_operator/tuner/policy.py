@@ -259,9 +259,15 @@ def best_k(
 ) -> BucketChoice:
     """The K in 1..max_k with the highest goodput gain E(K)·T(b,0)/T(b,K), and that gain."""
     t0 = cost.step_s(label, 0, batch)
-    gains = tuple(acc.tokens(k) * t0 / cost.step_s(label, k, batch) for k in range(1, max_k + 1))
+    gains: list[float] = []
+    tokens, survive = 1.0, 1.0  # E(K), built up one position at a time (`expected_tokens`)
+    for k in range(1, max_k + 1):
+        if k <= len(acc.alphas):
+            survive *= acc.alphas[k - 1]
+            tokens += survive
+        gains.append(tokens * t0 / cost.step_s(label, k, batch))
     k = max(range(1, max_k + 1), key=lambda i: (round(gains[i - 1], 12), -i))
-    return BucketChoice(k, gains[k - 1], gains)
+    return BucketChoice(k, gains[k - 1], tuple(gains))
 
 
 def gain_caps(choices: Mapping[str, BucketChoice], cost: CalibratedCost) -> dict[str, float]:
