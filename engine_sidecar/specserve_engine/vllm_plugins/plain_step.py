@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.platforms import current_platform
@@ -78,9 +79,17 @@ def check_runner(runner_class: type) -> None:
             raise UnsupportedRunner(f"{name}{tuple(have)}: expected the arguments to start with {params}")
 
 
-def is_plain_step(num_spec_tokens_to_schedule: int, scheduled_spec_decode_tokens: dict) -> bool:
-    """A step with nothing to verify and nothing to propose."""
-    return num_spec_tokens_to_schedule == 0 and not any(scheduled_spec_decode_tokens.values())
+def is_plain_step(
+    num_spec_tokens_to_schedule: int,
+    scheduled_spec_decode_tokens: dict,
+    scheduled_req_ids: Iterable[str],
+    stale: set[str],
+) -> bool:
+    """A step with nothing to verify and nothing to propose: K = 0, or every request in it stale (its
+    drafts would all be dropped, so the drafter would run for none)."""
+    if any(scheduled_spec_decode_tokens.values()):
+        return False
+    return num_spec_tokens_to_schedule == 0 or (bool(stale) and all(r in stale for r in scheduled_req_ids))
 
 
 def drop_stale(drafts: DraftTokenIds, stale: set[str]) -> DraftTokenIds:
@@ -116,11 +125,11 @@ class PlainStepRunner:
         for req_id in scheduler_output.finished_req_ids:
             self._stale.discard(req_id)
             self._suffix_seen.pop(req_id, None)
-        self._plain_now = scheduler_output.total_num_scheduled_tokens > 0 and (
-            is_plain_step(
-                scheduler_output.num_spec_tokens_to_schedule, scheduler_output.scheduled_spec_decode_tokens
-            )
-            or self._only_stale(scheduler_output)
+        self._plain_now = scheduler_output.total_num_scheduled_tokens > 0 and is_plain_step(
+            scheduler_output.num_spec_tokens_to_schedule,
+            scheduler_output.scheduled_spec_decode_tokens,
+            scheduler_output.num_scheduled_tokens,
+            self._stale,
         )
         if not self._plain_now:
             return super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
@@ -129,16 +138,6 @@ class PlainStepRunner:
             return super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         finally:
             self.speculative_config = self._spec_config
-
-    def _only_stale(self: Any, scheduler_output: Any) -> bool:
-        """Nothing to verify and every request in the step one the drafter would not draft for (stale):
-        its drafts would all be dropped, so the step runs plain instead of paying the drafter for none."""
-        scheduled = scheduler_output.num_scheduled_tokens
-        return (
-            bool(self._stale)
-            and not any(scheduler_output.scheduled_spec_decode_tokens.values())
-            and all(req_id in self._stale for req_id in scheduled)
-        )
 
     def sample_tokens(self: Any, grammar_output: Any) -> Any:
         if not self._plain_now:

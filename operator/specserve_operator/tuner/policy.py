@@ -266,8 +266,13 @@ def best_k(
             survive *= acc.alphas[k - 1]
             tokens += survive
         gains.append(tokens * t0 / cost.step_s(label, k, batch))
-    k = max(range(1, max_k + 1), key=lambda i: (round(gains[i - 1], 12), -i))
-    return BucketChoice(k, gains[k - 1], tuple(gains))
+    return _best_of(tuple(gains))
+
+
+def _best_of(gains: tuple[float, ...]) -> BucketChoice:
+    """The K (1-based) with the highest gain, the smallest K among equals."""
+    k = max(range(1, len(gains) + 1), key=lambda i: (round(gains[i - 1], 12), -i))
+    return BucketChoice(k, gains[k - 1], gains)
 
 
 def gain_caps(choices: Mapping[str, BucketChoice], cost: CalibratedCost) -> dict[str, float]:
@@ -291,9 +296,7 @@ def gain_caps(choices: Mapping[str, BucketChoice], cost: CalibratedCost) -> dict
 def _capped(choice: BucketChoice, cap: float) -> BucketChoice:
     if choice.gain <= cap:
         return choice
-    gains = tuple(min(g, cap) for g in choice.gains)
-    k = max(range(1, len(gains) + 1), key=lambda i: (round(gains[i - 1], 12), -i))
-    return BucketChoice(k, gains[k - 1], gains)
+    return _best_of(tuple(min(g, cap) for g in choice.gains))
 
 
 def choose_table(
