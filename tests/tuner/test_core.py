@@ -21,8 +21,8 @@ def decide(
     return core.decide(view, snap, state, core.FleetCosts([view], snap, mixed), now)
 
 
-def healthy_loads(bucket_load, prior, slow_high: float = 3.0) -> dict:
-    """Low buckets speculating at the prior's speed; bucket 64 speculating `slow_high`× slower than the
+def healthy_loads(bucket_load, prior, slow_high: float = 6.0) -> dict:
+    """Low buckets speculating at the prior's speed; in bucket 64 speculation adds `slow_high`× what the
     prior predicts (a cliff the prior does not know about); plain steps everywhere at the prior."""
     loads = {}
     for label, batch in (("4", 3.0), ("16", 12.0), ("64", 48.0)):
@@ -32,7 +32,7 @@ def healthy_loads(bucket_load, prior, slow_high: float = 3.0) -> dict:
             steps_plain=1000,
             step_s_plain=prior.step_s(batch, 0),
             steps_spec=1000,
-            step_s_spec=prior.step_s(batch, 3) * factor,
+            step_s_spec=prior.step_s(batch, 0) + factor * (prior.step_s(batch, 3) - prior.step_s(batch, 0)),
             k=3,
         )
     return loads
@@ -185,13 +185,14 @@ def test_restart_resumes_the_policy_from_status(spec_factory) -> None:
 def test_off_bucket_stays_off_after_its_spec_steps_leave_the_window(
     spec_factory, rows_for, bucket_load
 ) -> None:
-    """Bucket 64 measured 3× slower with speculation is switched off; once its speculative steps leave
+    """Bucket 64, where speculation measured to add 6× what the prior predicts, is switched off; once its
+    speculative steps leave
     the metrics window, the remembered ratio keeps it off past the cooldown (without the memory it
     would borrow the cheap low-batch ratio and be switched on again: flapping with period ≈ cooldown)."""
     spec = spec_factory()
     view = view_of(spec)
     prior = view.prior(spec.drafters[0])
-    slow = healthy_loads(bucket_load, prior, slow_high=3.0)
+    slow = healthy_loads(bucket_load, prior)
     later = dict(slow)
     later["64"] = bucket_load(batch=48.0, steps_plain=1000, step_s_plain=prior.step_s(48.0, 0))
     first_rows = rows_for(NS, "pod-a", "draft", slow) + rows_for(NS, "pod-b", "draft", slow)

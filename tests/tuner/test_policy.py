@@ -27,13 +27,14 @@ def flat_acceptance(alpha: float, n: int = 8) -> tuner_policy.Acceptance:
 
 
 def measured_at(p: costmodel.StepCostPrior, batch: float, spec_factor: float) -> BucketStats:
-    """A bucket's counters: 1,000 plain steps as the prior predicts, 1,000 at K = 3 `spec_factor` slower."""
+    """A bucket's counters: 1,000 plain steps as the prior predicts, 1,000 at K = 3 where speculation adds
+    `spec_factor` times what the prior predicts."""
     return BucketStats(
         steps_plain=1000,
         seconds_plain=1000 * p.step_s(batch, 0),
         tokens_plain=1000 * batch,
         steps_spec=1000,
-        seconds_spec=1000 * p.step_s(batch, 3) * spec_factor,
+        seconds_spec=1000 * (p.step_s(batch, 0) + spec_factor * (p.step_s(batch, 3) - p.step_s(batch, 0))),
         drafts=1000 * batch,
         draft_tokens=3000 * batch,
     )
@@ -149,7 +150,7 @@ def test_acceptance_falls_back_to_totals_then_prior() -> None:
 # ---- choosing K, the cliff, hysteresis --------------------------------------------------------------
 
 
-def test_calibration_scales_the_prior_by_measured_step_times() -> None:
+def test_calibration_reproduces_measured_steps_and_scales_what_speculation_adds() -> None:
     p = prior()
     label = "8"
     batch = 6.0
@@ -166,15 +167,57 @@ def test_calibration_scales_the_prior_by_measured_step_times() -> None:
     assert cost.batch[label] == pytest.approx(batch)
     assert cost.step_s(label, 0) == pytest.approx(p.step_s(batch, 0) * 1.3)
     assert cost.step_s(label, 3) == pytest.approx(p.step_s(batch, 3) * 1.6)
+    # Another K costs the measured plain step plus the prior's excess at that K, scaled as K = 3's was.
+    excess = (p.step_s(batch, 3) * 1.6 - p.step_s(batch, 0) * 1.3) / (p.step_s(batch, 3) - p.step_s(batch, 0))
+    assert cost.ratio(label, 1) == pytest.approx(excess)
+    assert cost.step_s(label, 1) == pytest.approx(
+        p.step_s(batch, 0) * 1.3 + (p.step_s(batch, 1) - p.step_s(batch, 0)) * excess
+    )
     # An unmeasured bucket borrows the measured ratios.
-    assert cost.ratio("64", 2) == pytest.approx(1.6)
+    assert cost.ratio("64", 2) == pytest.approx(excess) and cost.ratio("64", 0) == pytest.approx(1.3)
     assert cost.measured_spec(label) and not cost.measured_spec("64")
+
+
+def test_an_excess_dearer_than_the_prior_makes_large_k_dear_not_small_k() -> None:
+    """Plain steps as the prior predicts, speculation adding three times what it predicts (verification
+    turning compute-bound): measured at K = 4, K = 1 keeps its small excess. One factor on the whole step
+    (measured / predicted at K = 4) would price K = 1 far above what it costs, and prefer large K."""
+    p = prior()
+    label, batch = "32", 24.0
+
+    def true_step(k: int) -> float:
+        return p.step_s(batch, 0) + 3 * (p.step_s(batch, k) - p.step_s(batch, 0))
+
+    measured = BucketStats(
+        steps_plain=500,
+        seconds_plain=500 * true_step(0),
+        tokens_plain=500 * batch,
+        steps_spec=500,
+        seconds_spec=500 * true_step(4),
+        drafts=500 * batch,
+        draft_tokens=4 * 500 * batch,
+        steps_by_k={4: 500},
+        seconds_by_k={4: 500 * true_step(4)},
+    )
+    cost = tuner_policy.CalibratedCost(p, {label: measured}, BOUNDS)
+    for k in range(1, 6):
+        assert cost.step_s(label, k) == pytest.approx(true_step(k))
+    whole_step_factor = true_step(4) / p.step_s(batch, 4)
+    assert p.step_s(batch, 1) * whole_step_factor > 1.1 * true_step(1)
+
+
+def test_a_measured_excess_below_the_floor_is_raised_to_it() -> None:
+    p = prior()
+    noisy = measured_at(p, 6.0, 1.0)
+    noisy.seconds_spec = noisy.seconds_plain / noisy.steps_plain * noisy.steps_spec * 0.9  # faster than plain
+    cost = tuner_policy.CalibratedCost(p, {"8": noisy}, BOUNDS)
+    assert cost.ratio("8", 3) == tuner_policy.EXCESS_RATIO_FLOOR
 
 
 def test_sibling_spec_overhead_is_borrowed_when_a_group_has_no_spec_steps() -> None:
     p = prior("ngram")
     plain_only = {"8": BucketStats(steps_plain=100, seconds_plain=100 * p.step_s(6, 0), tokens_plain=600)}
-    cost = tuner_policy.CalibratedCost(p, plain_only, BOUNDS, spec_excess=1.25)
+    cost = tuner_policy.CalibratedCost(p, plain_only, BOUNDS, sibling_excess=1.25)
     assert cost.ratio("8", 2) == pytest.approx(1.25)
 
 
@@ -214,12 +257,12 @@ def test_cliff_is_the_first_batch_where_no_k_reaches_min_gain() -> None:
 
 
 def test_an_unmeasured_bucket_pays_no_more_than_a_smaller_measured_one() -> None:
-    """Bucket 1 measured as predicted, bucket 2 faster, bucket 4 three times slower when speculating:
+    """Bucket 1 measured as predicted, bucket 2 cheaper, bucket 4 eight times dearer when speculating:
     bucket 8, never measured, borrows the median ratio (1.0) and would be predicted to pay well, past a
     smaller bucket measured to lose. Gain falls with batch size, so it is capped there: off, like 4."""
     p = prior("draftModel")
 
-    measured = {"1": measured_at(p, 1, 1.0), "2": measured_at(p, 2, 0.7), "4": measured_at(p, 4, 3.0)}
+    measured = {"1": measured_at(p, 1, 1.0), "2": measured_at(p, 2, 0.7), "4": measured_at(p, 4, 8.0)}
     cost = tuner_policy.CalibratedCost(p, measured, BOUNDS)
     acc = flat_acceptance(0.8)
     uncapped = tuner_policy.best_k(acc, cost, "8", 4)
@@ -316,8 +359,8 @@ def test_remembered_ratio_fills_an_unmeasured_bucket_and_a_fresh_measurement_win
         p, {"64": measured_at(p, 48.0, 1.4)}, BOUNDS, remembered=memory.recall("g", 200.0)
     )
     assert fresh.ratio("64", 3) == pytest.approx(1.4, rel=0.02)
-    memory.record("g", fresh.plain_ratio, fresh.spec_ratio, now=200.0)
+    memory.record("g", fresh.plain_ratio, fresh.excess_ratio, now=200.0)
     assert memory.recall("g", 700.0)[1]["64"] == pytest.approx(1.4, rel=0.02)  # 500 s old: kept
     assert memory.recall("g", 800.0) == ({}, {})  # expired
     memory.record("g", {}, {}, now=800.0)
-    assert memory.plain["g"] == {} and memory.spec["g"] == {}  # expired entries are dropped
+    assert memory.plain["g"] == {} and memory.excess["g"] == {}  # expired entries are dropped

@@ -49,20 +49,20 @@ def test_a_pod_that_switched_drafters_calibrates_both(spec_factory) -> None:
     view = core.ResourceView(NS, "llm", spec, ("pod-a",))
     prior = view.prior(draft)
     t_plain, t_spec = prior.step_s(3.0, 0), prior.step_s(3.0, 3)
-    # pod-a ran the draft model, then a trial of n-gram, in the same window: the draft model's steps
-    # took 2x what the prior predicts, n-gram's as predicted.
+    # pod-a ran the draft model, then a trial of n-gram, in the same window: speculation with the draft
+    # model added 2x what the prior predicts, n-gram's steps took what it predicts.
     rows = (
         _policy("pod-a", ngram.name)
         + _steps("pod-a", "4", False, "", 500, t_plain)
-        + _steps("pod-a", "4", True, draft.name, 300, 2 * t_spec)
+        + _steps("pod-a", "4", True, draft.name, 300, t_plain + 2 * (t_spec - t_plain))
         + _drafts("pod-a", "4", draft.name, 300)
         + _steps("pod-a", "4", True, ngram.name, 300, view.prior(ngram).step_s(3.0, 3))
         + _drafts("pod-a", "4", ngram.name, 300)
     )
     snap = observations.build_snapshot(rows, 300.0)
     costs = core.FleetCosts([view], snap, mixed={(NS, "pod-a")})  # switched: labels still attribute
-    assert costs.cost(view, draft).spec_ratio["4"] == pytest.approx(2.0, rel=0.02)
-    assert costs.cost(view, ngram).spec_ratio["4"] == pytest.approx(1.0, rel=0.02)
+    assert costs.cost(view, draft).excess_ratio["4"] == pytest.approx(2.0, rel=0.02)
+    assert costs.cost(view, ngram).excess_ratio["4"] == pytest.approx(1.0, rel=0.02)
 
     # The same steps without drafter labels (an engine from before them) mix two drafters: left out.
     unlabelled = [
@@ -70,7 +70,7 @@ def test_a_pod_that_switched_drafters_calibrates_both(spec_factory) -> None:
     ]
     snap = observations.build_snapshot(unlabelled, 300.0)
     costs = core.FleetCosts([view], snap, mixed={(NS, "pod-a")})
-    assert costs.cost(view, draft).spec_ratio == {} and costs.cost(view, ngram).spec_ratio == {}
+    assert costs.cost(view, draft).excess_ratio == {} and costs.cost(view, ngram).excess_ratio == {}
 
 
 _ENGINE = (observations.STEPS, observations.STEP_SECONDS, observations.TOKENS)
@@ -81,13 +81,18 @@ def test_a_pod_that_changed_k_calibrates_each_k_at_its_own_cost(spec_factory) ->
     draft = spec.drafters[0]
     view = core.ResourceView(NS, "llm", spec, ("pod-a",))
     prior = view.prior(draft)
-    # Half the window at K = 1, half at K = 4 (3 requests per step), every step 1.5x what the prior
-    # predicts at its K. Predicted at the mean draft length (2.5, rounded) the ratio would come out wrong.
+
+    def adding(factor: float, k: int) -> float:
+        return prior.step_s(3.0, 0) + factor * (prior.step_s(3.0, k) - prior.step_s(3.0, 0))
+
+    # Half the window at K = 1, half at K = 4 (3 requests per step), speculation adding 1.5x what the
+    # prior predicts at each step's K. Predicted at the mean draft length (2.5, rounded) the ratio would
+    # come out wrong.
     drafts = {"namespace": NS, "pod": "pod-a", "bucket": "4", "drafter": draft.name}
     rows = (
         _policy("pod-a", draft.name)
-        + _steps("pod-a", "4", True, draft.name, 300, 1.5 * prior.step_s(3.0, 1), k="1")
-        + _steps("pod-a", "4", True, draft.name, 300, 1.5 * prior.step_s(3.0, 4), k="4")
+        + _steps("pod-a", "4", True, draft.name, 300, adding(1.5, 1), k="1")
+        + _steps("pod-a", "4", True, draft.name, 300, adding(1.5, 4), k="4")
         + [
             (observations.DRAFTS, drafts, 1800.0),
             (observations.DRAFT_TOKENS, drafts, 900.0 * 1 + 900.0 * 4),
@@ -98,11 +103,11 @@ def test_a_pod_that_changed_k_calibrates_each_k_at_its_own_cost(spec_factory) ->
     bucket = snap.pods[(NS, "pod-a")].by_drafter[draft.name]["4"]
     assert (bucket.steps_by_k, bucket.steps_spec) == ({1: 300, 4: 300}, 600)
     cost = core.FleetCosts([view], snap).cost(view, draft)
-    assert cost.spec_ratio["4"] == pytest.approx(1.5, rel=1e-6)
+    assert cost.excess_ratio["4"] == pytest.approx(1.5, rel=1e-6)
     # The same steps without K labels (an engine from before they were added): the mean-K estimate.
     unlabelled = [(kind, {**labels, "k": ""}, value) for kind, labels, value in rows]
     mean_k = core.FleetCosts([view], observations.build_snapshot(unlabelled, 300.0)).cost(view, draft)
-    assert mean_k.spec_ratio["4"] != pytest.approx(1.5, rel=0.01)
+    assert mean_k.excess_ratio["4"] != pytest.approx(1.5, rel=0.01)
 
 
 @pytest.mark.parametrize(

@@ -245,7 +245,7 @@ class FleetCosts:
                 for label, s in stats.items():
                     stats_of(target, label).add(s)
         self._pooled = pooled
-        groups = set(memory.plain) | set(memory.spec) if memory is not None else set()
+        groups = set(memory.plain) | set(memory.excess) if memory is not None else set()
         self._remembered = {group: memory.recall(group, now) for group in groups}  # type: ignore[union-attr]
         # Each measured group on its own measurements: what it remembers, and what its siblings borrow.
         self._measured: dict[tuple, policy.CalibratedCost] = {}
@@ -262,7 +262,7 @@ class FleetCosts:
                 self._failed[group] = exc
         if memory is not None:
             for group, measured in self._measured.items():
-                memory.record(group, measured.plain_ratio, measured.spec_ratio, now)
+                memory.record(group, measured.plain_ratio, measured.excess_ratio, now)
         self._costs: dict[tuple, policy.CalibratedCost] = {}
 
     @staticmethod
@@ -310,13 +310,15 @@ class FleetCosts:
                 raise CostModelError(f"step costs of {'/'.join(key[:2])}: {error!r}") from error
         if group not in self._costs:
             measured = self._measured.get(group)
-            if measured is not None and measured.spec_ratio:
+            if measured is not None and measured.excess_ratio:
                 self._costs[group] = measured
             else:
                 siblings = sorted(
                     excess
                     for other, cost in self._measured.items()
-                    if other[:3] == group[:3] and other != group and (excess := cost.spec_excess) is not None
+                    if other[:3] == group[:3]
+                    and other != group
+                    and (excess := cost.measured_excess) is not None
                 )
                 self._costs[group] = policy.CalibratedCost(
                     self._priors.get(group) or view.prior(drafter),

@@ -426,12 +426,13 @@ def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
         if steps == seconds == 0:
             continue
         # Steps that took no time (or next to none) would be infinitely fast and divide by zero
-        # downstream; time without steps is a step-seconds series without its step counter.
+        # downstream; time without steps is a step-seconds series without its step counter. Compared
+        # per step (a division): steps · MIN_STEP_S underflows to 0 for a subnormal step count.
         if steps == 0:
             reason: str | None = DROP_INCONSISTENT
-        elif seconds < steps * MIN_STEP_S:
+        elif seconds / steps < MIN_STEP_S:
             reason = DROP_ZERO_DURATION
-        elif seconds > steps * MAX_STEP_S:
+        elif seconds / steps > MAX_STEP_S:
             reason = DROP_IMPLAUSIBLE
         else:
             reason = None
@@ -446,7 +447,7 @@ def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
         b.steps_by_k, b.seconds_by_k = {}, {}
     for k in set(b.steps_by_k) | set(b.seconds_by_k):  # the same rules for each K's share
         steps, seconds = b.steps_by_k.get(k, 0.0), b.seconds_by_k.get(k, 0.0)
-        if steps == 0 or not steps * MIN_STEP_S <= seconds <= steps * MAX_STEP_S:
+        if steps == 0 or not MIN_STEP_S <= seconds / steps <= MAX_STEP_S:
             snap.drop(DROP_INCONSISTENT if steps == 0 else DROP_IMPLAUSIBLE)
             dropped += 1
             b.steps_by_k.pop(k, None)

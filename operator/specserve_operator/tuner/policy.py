@@ -6,7 +6,8 @@ Per (model, drafter, GPU) group and batch-size bucket b:
     gain(K)  = E(K) · T(b, 0) / T(b, K)             goodput with K over goodput without speculation
     K*(b)    = argmax_K gain(K); speculate in b only where gain(K*) ≥ minGain
 
-T(b, K) is the roofline prior (costmodel.py) scaled by what the fleet measured in that bucket.
+T(b, K) is the roofline prior (costmodel.py) calibrated by what the fleet measured in that bucket
+(`CalibratedCost`: the plain step and what speculation adds to it, each on its own).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ MIN_DRAFTS = 50.0
 # streams are over-dispersed, so the i.i.d. extrapolation over-predicts (speculation-research §1.4).
 EXTRAPOLATION_DECAY = 0.97
 PRIOR_ALPHA = 0.6
+# A measured excess ratio under this is noise on a small difference (a step with drafts against one
+# without, where drafting adds little): it is raised to it. There is no ceiling: on hardware far from the
+# prior's (a CPU against a GPU roofline) what speculation adds is hundreds of times the prediction.
+EXCESS_RATIO_FLOOR = 0.1
 RATIO_TTL_S = 86400.0  # step-time ratios are the hardware's, not the traffic's: kept a day
 
 
@@ -108,72 +113,91 @@ def bucket_bounds_of(bounds: Sequence[int]) -> dict[str, tuple[int, int]]:
     return out
 
 
+Remembered = tuple[Mapping[str, float], Mapping[str, float]]
+
+
 @dataclass
 class RatioMemory:
-    """The last measured step-time ratios (measured / prior) per cost group and bucket, kept between
-    ticks: a bucket switched off stops producing speculative steps, and without its own ratio it would
-    borrow the other buckets' (measured where speculation is cheap) and be switched on again."""
+    """The last measured step-time ratios (plain and excess, `CalibratedCost`) per cost group and bucket,
+    kept between ticks: a bucket switched off stops producing speculative steps, and without its own
+    ratio it would borrow the other buckets' (measured where speculation is cheap) and be switched on
+    again."""
 
     ttl_s: float = RATIO_TTL_S
     # group → bucket → (ratio, time measured)
     plain: dict[Hashable, dict[str, tuple[float, float]]] = field(default_factory=dict)
-    spec: dict[Hashable, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    excess: dict[Hashable, dict[str, tuple[float, float]]] = field(default_factory=dict)
 
     def record(
-        self, group: Hashable, plain: Mapping[str, float], spec: Mapping[str, float], now: float
+        self, group: Hashable, plain: Mapping[str, float], excess: Mapping[str, float], now: float
     ) -> None:
         """Remember every ratio measured in this window (a fresh measurement replaces the old one)."""
-        for store, ratios in ((self.plain, plain), (self.spec, spec)):
+        for store, ratios in ((self.plain, plain), (self.excess, excess)):
             entries = store.setdefault(group, {})
             entries.update({label: (r, now) for label, r in ratios.items()})
             for label in [lb for lb, (_, at) in entries.items() if now - at >= self.ttl_s]:
                 del entries[label]
 
-    def recall(self, group: Hashable, now: float) -> tuple[dict[str, float], dict[str, float]]:
-        """The group's unexpired ratios, (plain, speculative), per bucket."""
+    def recall(self, group: Hashable, now: float) -> Remembered:
+        """The group's unexpired ratios, (plain, excess), per bucket."""
         return tuple(  # type: ignore[return-value]
             {label: r for label, (r, at) in store.get(group, {}).items() if now - at < self.ttl_s}
-            for store in (self.plain, self.spec)
+            for store in (self.plain, self.excess)
         )
 
 
-def _spec_ratio(prior: StepCostPrior, s: BucketStats, batch: float) -> float:
-    """Measured over predicted time of a bucket's speculative steps. Steps counted by the K they verified
-    are predicted at that K each (a window where K changed is not one step at the mean K); otherwise
-    all run at the mean draft length."""
+def _excess_ratio(prior: StepCostPrior, s: BucketStats, batch: float, plain_ratio: float) -> float:
+    """Measured over predicted excess of a bucket's speculative steps: the time a speculative step takes
+    beyond a plain step at the same batch (drafting, and verifying K more tokens per sequence), the plain
+    part at the bucket's measured plain ratio. Steps counted by the K they verified are predicted at that
+    K each (a window where K changed is not one step at the mean K); otherwise all at the mean draft
+    length."""
     ks = [k for k, n in s.steps_by_k.items() if n > 0 and k in s.seconds_by_k]
     if sum(s.steps_by_k[k] for k in ks) >= MIN_STEPS:
-        predicted = sum(s.steps_by_k[k] * prior.step_s(batch, k) for k in ks)
-        return sum(s.seconds_by_k[k] for k in ks) / predicted
-    mean_k = max(1, round(s.draft_tokens / s.drafts))
-    return (s.seconds_spec / s.steps_spec) / prior.step_s(batch, mean_k)
+        steps = {k: s.steps_by_k[k] for k in ks}
+        seconds = sum(s.seconds_by_k[k] for k in ks)
+    else:
+        steps = {max(1, round(s.draft_tokens / s.drafts)): s.steps_spec}
+        seconds = s.seconds_spec
+    plain = prior.step_s(batch, 0)
+    predicted = sum(n * (prior.step_s(batch, k) - plain) for k, n in steps.items())
+    measured = seconds - plain_ratio * plain * sum(steps.values())
+    return max(measured / predicted, EXCESS_RATIO_FLOOR) if predicted > 0 else 1.0
 
 
 class CalibratedCost:
-    """Step time per bucket and K: the roofline prior scaled by the ratio measured in that bucket.
+    """Step time per bucket and K, calibrated in two parts on what the fleet measured in that bucket:
 
-    Plain steps calibrate T(b, 0); speculative steps, each at the K it verified (`_spec_ratio`) and the
-    batch they ran with, calibrate T(b, K>0). A bucket without its own measurement in the window uses the
-    ratio remembered from an earlier one (`remembered`: plain, speculative), else borrows the median
-    ratio of those measured in the window, else of those remembered: a measurement, however old within
-    the memory's TTL, outranks the prior."""
+        T(b, K) = T₀(b)·r₀(b) + (T₀(b, K) − T₀(b))·r₊(b)        (T₀: the roofline prior)
+
+    r₀, the plain ratio, from plain steps; r₊, the excess ratio, from speculative steps (each at the K it
+    verified and the batch it ran with, `_excess_ratio`): what a speculative step costs beyond a plain
+    one is calibrated on its own, so a prior that under-predicts that excess (verification turning
+    compute-bound, a costlier drafter) makes every K dearer in proportion to what it adds, not by one
+    factor on the whole step, which would make small K look dear against plain and large K cheap. (One
+    r₊ per bucket: a ratio per K, kept a day, was tried and lost, its few steps per K too noisy to trust
+    for that long.) A bucket without its own measurement in the window uses the ratio remembered from an
+    earlier one (`remembered`: plain, excess), else borrows the median ratio of those measured in the
+    window, else of those remembered: a measurement, however old within the memory's TTL, outranks the
+    prior."""
 
     def __init__(
         self,
         prior: StepCostPrior,
         stats: Mapping[str, BucketStats],
         bounds: Sequence[int],
-        spec_excess: float | None = None,
-        remembered: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {}),
+        sibling_excess: float | None = None,
+        remembered: Remembered = ({}, {}),
     ) -> None:
         self.prior = prior
         self._memo: dict[tuple[str, int, float | None], float] = {}
         self.ranges = bucket_bounds_of(bounds)
         self.batch: dict[str, float] = {}
         self.plain_ratio: dict[str, float] = {}
-        self.spec_ratio: dict[str, float] = {}
-        self.remembered_plain, self.remembered_spec = remembered
-        self.borrowed = spec_excess is not None
+        self.excess_ratio: dict[str, float] = {}
+        self.remembered_plain, self.remembered_excess = remembered
+        self.borrowed = sibling_excess is not None
+        speculative: dict[str, tuple[BucketStats, float]] = {}
         for label, (lo, hi) in self.ranges.items():
             s = stats.get(label)
             batch = (lo + hi) / 2
@@ -187,52 +211,55 @@ class CalibratedCost:
             if s.steps_plain >= MIN_STEPS:
                 self.plain_ratio[label] = (s.seconds_plain / s.steps_plain) / prior.step_s(batch, 0)
             if s.steps_spec >= MIN_STEPS and s.drafts > 0:
-                spec_batch = min(max(s.drafts / s.steps_spec, lo), hi)
-                self.spec_ratio[label] = _spec_ratio(prior, s, spec_batch)
+                speculative[label] = (s, min(max(s.drafts / s.steps_spec, lo), hi))
         self._plain_default = _median(self.plain_ratio.values(), _median(self.remembered_plain.values(), 1.0))
-        # Without speculative measurements of its own, a group borrows how much slower than predicted
-        # speculative steps ran in sibling groups (same model and GPU, another drafter): the verify
-        # overhead belongs to the engine, not to the drafter.
-        self._spec_default = _median(
-            self.spec_ratio.values(),
-            _median(self.remembered_spec.values(), self._plain_default * (spec_excess or 1.0)),
+        for label, (s, spec_batch) in speculative.items():
+            self.excess_ratio[label] = _excess_ratio(prior, s, spec_batch, self.ratio(label, 0))
+        # Without speculative measurements of its own, a group borrows how much costlier than predicted
+        # speculation ran in sibling groups (same model and GPU, another drafter): the verify overhead
+        # belongs to the engine, not to the drafter.
+        self._excess_default = _median(
+            self.excess_ratio.values(), _median(self.remembered_excess.values(), sibling_excess or 1.0)
         )
 
     @property
-    def spec_excess(self) -> float | None:
-        """Measured speculative-step ratio over the plain-step ratio, for sibling groups to borrow."""
-        if not self.spec_ratio:
-            return None
-        return _median(self.spec_ratio.values(), 1.0) / self._plain_default
+    def measured_excess(self) -> float | None:
+        """The median excess ratio measured in the window, for sibling groups to borrow."""
+        return _median(self.excess_ratio.values(), 1.0) if self.excess_ratio else None
 
     @property
     def any_spec_measured(self) -> bool:
         """Whether any speculative step time behind this model was measured (in the window, remembered
         or borrowed from a sibling drafter): if not, every speculative step time is the prior's."""
-        return bool(self.spec_ratio or self.remembered_spec or self.borrowed)
+        return bool(self.excess_ratio or self.remembered_excess or self.borrowed)
 
     @property
     def own_spec_measured(self) -> bool:
         """Whether this group's own speculative steps were measured, in the window or remembered (not
         borrowed from a sibling)."""
-        return bool(self.spec_ratio or self.remembered_spec)
+        return bool(self.excess_ratio or self.remembered_excess)
 
     def measured_spec(self, label: str) -> bool:
         """Whether speculative steps in this bucket were measured, in the window or remembered."""
-        return label in self.spec_ratio or label in self.remembered_spec
+        return label in self.excess_ratio or label in self.remembered_excess
 
     def ratio(self, label: str, k: int) -> float:
-        # In-window measurement, else the remembered one, else the median of the measured buckets.
+        """The plain ratio (k = 0) or the excess ratio (k > 0) of a bucket: in-window measurement, else the
+        remembered one, else the median of the measured buckets."""
         if k == 0:
             return self.plain_ratio.get(label, self.remembered_plain.get(label, self._plain_default))
-        return self.spec_ratio.get(label, self.remembered_spec.get(label, self._spec_default))
+        return self.excess_ratio.get(label, self.remembered_excess.get(label, self._excess_default))
 
     def step_s(self, label: str, k: int, batch: float | None = None) -> float:
         # Memoised: one group's cost serves every resource of that group in a tick.
         key = (label, k, batch)
         if key not in self._memo:
             b = self.batch[label] if batch is None else batch
-            self._memo[key] = self.prior.step_s(b, k) * self.ratio(label, k)
+            plain = self.prior.step_s(b, 0)
+            t = plain * self.ratio(label, 0)
+            if k > 0:
+                t += (self.prior.step_s(b, k) - plain) * self.ratio(label, k)
+            self._memo[key] = t
         return self._memo[key]
 
 
