@@ -59,7 +59,8 @@ SLO = {
 }
 PEAK_UTILISATION = 0.5  # the traces' peak rate, as a share of plain decoding's capacity
 CAPACITY_RANGE = (0.5, 2.5)  # multipliers assumed to pass and to fail
-CAPACITY_PROBES = 7
+CAPACITY_RESOLUTION = 1.02  # bisect until every policy's bracket is this narrow (hi / lo) ...
+CAPACITY_MAX_PROBES = 24  # ... or this many probes have run
 CAPACITY_WINDOW_S = (3600.0, 1800.0)  # before and after the trace's peak
 CAPACITY_PODS = 8  # as the main runs: a canary pod is the same share of the fleet
 SWEEP_PODS = 1
@@ -135,9 +136,11 @@ def capacity(cfg: SimConfig, trace: Trace, slo: dict) -> dict:
     small = replace(cfg, pods=CAPACITY_PODS)
     bracket = {name: list(CAPACITY_RANGE) for name in cfg.policies}
     probes = []
-    for _ in range(CAPACITY_PROBES):
+    while len(probes) < CAPACITY_MAX_PROBES:
         widest = max(bracket, key=lambda n: bracket[n][1] / bracket[n][0])
         lo, hi = bracket[widest]
+        if hi / lo <= CAPACITY_RESOLUTION:
+            break
         m = math.sqrt(lo * hi)
         results = summaries(FleetSim(small, scaled(part, m * CAPACITY_PODS / cfg.pods)), part.duration_s)
         probes.append({"multiplier": round(m, 4), "pass": {n: passes(r, slo) for n, r in results.items()}})
