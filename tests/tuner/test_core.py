@@ -185,10 +185,10 @@ def test_restart_resumes_the_policy_from_status(spec_factory) -> None:
 def test_off_bucket_stays_off_after_its_spec_steps_leave_the_window(
     spec_factory, rows_for, bucket_load
 ) -> None:
-    """Bucket 64, where speculation measured to add 6× what the prior predicts, is switched off; once its
-    speculative steps leave
-    the metrics window, the remembered ratio keeps it off past the cooldown (without the memory it
-    would borrow the cheap low-batch ratio and be switched on again: flapping with period ≈ cooldown)."""
+    """Bucket 64, where speculation was measured to add 6× what the prior predicts, is switched off; once
+    its speculative steps leave the metrics window, the remembered ratio keeps it off past the cooldown
+    (without the memory it would borrow the cheap low-batch ratio and be switched on again: flapping with
+    period ≈ cooldown)."""
     spec = spec_factory()
     view = view_of(spec)
     prior = view.prior(spec.drafters[0])
