@@ -8,7 +8,7 @@ import json
 import math
 from datetime import UTC, datetime
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from specserve_operator.api.models import SpeculativeServingStatus
@@ -110,8 +110,20 @@ def _stats_are_sane(b: observations.BucketStats) -> None:
         )
 
 
+# Found by this test once: a subnormal step count times MIN_STEP_S underflowed to 0, so zero seconds
+# passed as a sane duration.
+SUBNORMAL_STEPS = [
+    (
+        observations.STEPS,
+        {"namespace": NS, "pod": "p0", "bucket": "1", "speculating": "true", "drafter": "draft"},
+        5e-324,
+    )
+]
+
+
 @settings(max_examples=300, deadline=None)
 @given(rows)
+@example(rs=SUBNORMAL_STEPS)
 def test_building_a_snapshot_never_raises_and_keeps_only_sane_numbers(rs) -> None:
     snap = observations.build_snapshot(rs, 300.0)
     assert set(snap.dropped) <= set(observations.DROP_REASONS)
