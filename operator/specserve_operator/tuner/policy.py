@@ -36,11 +36,19 @@ RATIO_TTL_S = 86400.0  # step-time ratios are the hardware's, not the traffic's:
 
 def expected_tokens(alphas: Sequence[float], k: int) -> float:
     """Tokens per verify step with K drafts: 1 + Σ_{i≤K} Π_{j≤i} α_j (the bonus token included)."""
+    return expected_tokens_by_k(alphas, k)[-1] if k > 0 else 1.0
+
+
+def expected_tokens_by_k(alphas: Sequence[float], max_k: int) -> list[float]:
+    """E(K) for K = 1..max_k, each built on the last (positions past the measured ones add nothing)."""
+    out: list[float] = []
     total, survive = 1.0, 1.0
-    for i in range(min(k, len(alphas))):
-        survive *= alphas[i]
-        total += survive
-    return total
+    for i in range(max_k):
+        if i < len(alphas):
+            survive *= alphas[i]
+            total += survive
+        out.append(total)
+    return out
 
 
 def iid_alpha_from_mal(mal: float, k: float) -> float:
@@ -286,14 +294,8 @@ def best_k(
 ) -> BucketChoice:
     """The K in 1..max_k with the highest goodput gain E(K)·T(b,0)/T(b,K), and that gain."""
     t0 = cost.step_s(label, 0, batch)
-    gains: list[float] = []
-    tokens, survive = 1.0, 1.0  # E(K), built up one position at a time (`expected_tokens`)
-    for k in range(1, max_k + 1):
-        if k <= len(acc.alphas):
-            survive *= acc.alphas[k - 1]
-            tokens += survive
-        gains.append(tokens * t0 / cost.step_s(label, k, batch))
-    return _best_of(tuple(gains))
+    tokens = expected_tokens_by_k(acc.alphas, max_k)
+    return _best_of(tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch) for k in range(1, max_k + 1)))
 
 
 def _best_of(gains: tuple[float, ...]) -> BucketChoice:
