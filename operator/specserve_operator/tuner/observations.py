@@ -418,6 +418,20 @@ def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
         obs.fallback = None
 
 
+def _step_time_fault(steps: float, seconds: float) -> str | None:
+    """Why `steps` steps taking `seconds` in all cannot be true, or None. Time without steps is a
+    step-seconds series without its step counter; steps that took no time (or next to none) would be
+    infinitely fast and divide by zero downstream. Compared per step (a division): steps · MIN_STEP_S
+    underflows to 0 for a subnormal step count."""
+    if steps == 0:
+        return DROP_INCONSISTENT
+    if seconds / steps < MIN_STEP_S:
+        return DROP_ZERO_DURATION
+    if seconds / steps > MAX_STEP_S:
+        return DROP_IMPLAUSIBLE
+    return None
+
+
 def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
     """Drop a bucket's plain or speculative step counters where they cannot be true; how many sides."""
     dropped = 0
@@ -425,17 +439,7 @@ def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
         steps, seconds = getattr(b, f"steps_{side}"), getattr(b, f"seconds_{side}")
         if steps == seconds == 0:
             continue
-        # Steps that took no time (or next to none) would be infinitely fast and divide by zero
-        # downstream; time without steps is a step-seconds series without its step counter. Compared
-        # per step (a division): steps · MIN_STEP_S underflows to 0 for a subnormal step count.
-        if steps == 0:
-            reason: str | None = DROP_INCONSISTENT
-        elif seconds / steps < MIN_STEP_S:
-            reason = DROP_ZERO_DURATION
-        elif seconds / steps > MAX_STEP_S:
-            reason = DROP_IMPLAUSIBLE
-        else:
-            reason = None
+        reason = _step_time_fault(steps, seconds)
         if reason is not None:
             snap.drop(reason)
             dropped += 1
@@ -447,7 +451,7 @@ def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
         b.steps_by_k, b.seconds_by_k = {}, {}
     for k in set(b.steps_by_k) | set(b.seconds_by_k):  # the same rules for each K's share
         steps, seconds = b.steps_by_k.get(k, 0.0), b.seconds_by_k.get(k, 0.0)
-        if steps == 0 or not MIN_STEP_S <= seconds / steps <= MAX_STEP_S:
+        if _step_time_fault(steps, seconds) is not None:
             snap.drop(DROP_INCONSISTENT if steps == 0 else DROP_IMPLAUSIBLE)
             dropped += 1
             b.steps_by_k.pop(k, None)
