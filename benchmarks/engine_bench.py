@@ -8,10 +8,11 @@ against; sidecar-hosted drafting through the custom_class proposer; vLLM's own n
 draft-model drafters, colocated) and one sidecar process. Phase 2 starts the speculator heads vLLM runs
 colocated (EAGLE-3, EAGLE, Medusa on the tiny target; MTP inside the target re-packaged as MiMo) beside a
 stock engine per target (`--phase main` runs phases 1 and 2 alone). The overhead phase (`--phase
-overhead` runs it alone) measures engines with speculation off against a stock engine, in pairs. The
-resume phase (`--phase resume`) measures the stateful drafters resuming after a K = 0 stretch and the
-throughput across a bucket boundary (`--phase boundary`: the boundary alone). Each phase merges its
-figures into the results file, keeping those of the others (and of benchmarks/sampling_bench.py).
+overhead` runs it alone) measures engines with speculation off against a stock engine, two at once.
+The resume phase (`--phase resume`) measures the stateful drafters resuming after a K = 0 stretch, then
+the throughput across a bucket boundary (`--phase boundary`: the boundary alone), two engines at once.
+Each phase merges its figures into the results file, keeping those of the others (and of
+benchmarks/sampling_bench.py).
 All on this machine's CPU; writes the JSON results, PNG plots next to them, and tables on stdout.
 """
 
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import platform
 import statistics
 import sys
@@ -38,7 +41,9 @@ from specserve_engine.buckets import bucket_labels
 from specserve_engine.client import SidecarClient
 from specserve_engine.draft_protocol import DEADLINE_ENV, SOCKET_NAME
 from specserve_engine.launch import EngineProcess, EngineSpec, SidecarProcess, start_engines, start_sidecar
+from specserve_engine.metric_names import VLLM_GENERATION_TOKENS
 from specserve_engine.policy_file import PodPolicy, write_policy
+from specserve_engine.processes import pin_group
 from specserve_engine.vllm_plugins.proposer import DraftClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,6 +320,11 @@ def mixed_prompts() -> list[str]:
     return [p for pair in zip(prompts("code"), prompts("prose"), strict=False) for p in pair]
 
 
+def one_core(spec: EngineSpec) -> EngineSpec:
+    """The engine with one OpenMP thread: the overhead phase runs two engines at once, one per core."""
+    return dataclasses.replace(spec, omp_num_threads=1)
+
+
 def engine_spec(
     workdir: Path,
     name: str,
@@ -460,50 +470,88 @@ async def run(workdir: Path) -> dict:
 
 # The overhead phase: an engine whose speculation is off against vLLM started as users start it.
 OVERHEAD_BATCHES = (1, 4, 16, 32)
-OVERHEAD_ROUNDS = 16
+OVERHEAD_ROUNDS = 8
+OVERHEAD_WINDOW_S = 3.0
 OVERHEAD_GOAL = 0.98
 RESUME_STRETCH_S = 60.0
 RESUME_DRAFTS = 800  # vLLM counts a draft per request per speculative step: 200 steps at batch 4
 RESUME_TOKENS = 256
 RESUME_CYCLES = 3
 BOUNDARY_LOW, BOUNDARY_HIGH = 3, 5  # in flight: bucket 4 (K = MAX_K) and bucket 8 (K = 0)
-BOUNDARY_S = 15.0
+BOUNDARY_S = 12.0
 BOUNDARY_PERIOD_S = 2.0
 BOUNDARY_ROUNDS = 5
 
 
 OVERHEAD_SETUP = (
-    "off_overhead: a stock engine up throughout and one candidate beside it at a time (two engines "
-    "alive: every engine up at once made the idle ones' pollers part of the noise), measured in pairs "
-    "(closed loop, mixed prompts, 64 tokens, about 2 s each; which of the pair goes first alternates by "
-    "round), the ratio taken within each pair; stock = vLLM started without specserve (same model, dtype "
-    "float32, eager, max-num-seqs 32, threads; no scheduler, worker, executor, logging or speculative "
-    "flags, VLLM_PLUGINS empty); specserve-no-drafter = specserve's flags and plugins, no drafter; "
-    "sidecar-off = the sidecar-hosted engine with policy mode off; colocated-*-off = vLLM's n-gram and "
-    "an EAGLE-3 head with every bucket at K = 0"
+    "off_overhead: a stock engine up throughout and one candidate beside it at a time, both under load "
+    "at once (closed loop, mixed prompts, 64 tokens, the batch size's requests in flight each), each "
+    "engine on its own core with one OpenMP thread, tokens counted by the engines' own "
+    "vllm:generation_tokens_total over 3 s; then again with the cores swapped; a round's ratio is the "
+    "geometric mean of the two halves' (the cores differ in speed by up to 10 %). Measured one after the "
+    "other, the pairs' ratios ranged 0.6-1.8 because the machine's slow spells (from outside) fell on one "
+    "engine and not the other; at once they fall on both. stock = vLLM started without specserve (same "
+    "model, dtype float32, eager, max-num-seqs 32; no scheduler, worker, executor, logging or speculative "
+    "flags, VLLM_PLUGINS empty); stock-again = a second stock engine, the protocol's own resolution; "
+    "specserve-no-drafter = specserve's flags and plugins, no drafter; sidecar-off = the sidecar-hosted "
+    "engine with policy mode off; colocated-*-off = vLLM's n-gram and an EAGLE-3 head with every bucket "
+    "at K = 0"
 )
-
-
-def overhead_requests(batch: int) -> int:
-    """Requests per measurement: about two seconds of decoding at every batch size on this CPU."""
-    return {1: 8, 4: 16, 16: 32}.get(batch, 2 * batch)
 
 
 Candidate = tuple[EngineSpec, Callable[[EngineProcess], Awaitable[None]]]
 SetTable = Callable[[dict[str, int]], Awaitable[None]]
 
 
-async def paired_rounds(
+async def generated_tokens(engine: EngineProcess) -> float:
+    """The engine's own count of tokens generated so far (counted per step, so a window's count does not
+    depend on which requests happen to finish inside it)."""
+    async with aiohttp.ClientSession() as session, session.get(engine.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(VLLM_GENERATION_TOKENS)
+    )
+
+
+async def side_by_side(engines: tuple[EngineProcess, ...], batch: int, texts: list[str]) -> list[float]:
+    """Tokens/s of each engine over the same OVERHEAD_WINDOW_S, all under load at once (`batch` requests
+    in flight each, closed loop, after a second to fill the batch)."""
+    loops = [ClosedLoop(e, texts, batch, 64) for e in engines]
+    for loop in loops:
+        await loop.__aenter__()
+    try:
+        await asyncio.sleep(1.0)
+        before = await asyncio.gather(*(generated_tokens(e) for e in engines))
+        t0 = time.perf_counter()
+        await asyncio.sleep(OVERHEAD_WINDOW_S)
+        after = await asyncio.gather(*(generated_tokens(e) for e in engines))
+        elapsed = time.perf_counter() - t0
+    finally:
+        for loop in loops:
+            await loop.__aexit__()
+    return [(a - b) / elapsed for a, b in zip(after, before, strict=True)]
+
+
+async def concurrent_rounds(
     stock: EngineProcess, engine: EngineProcess, texts: list[str], rounds: int
 ) -> dict[str, dict[str, list[float]]]:
-    """Tokens/s of `engine` and of the stock engine, measured back to back per batch size and round."""
+    """Per batch size and round, the tokens/s of `engine` and of the stock engine, measured at the same
+    time, each on its own core, twice with the cores swapped; each engine's figure for the round is the
+    geometric mean of its two halves, so the ratio of the two is the geometric mean of the two halves'
+    ratios (the cores differ in speed by up to 10 % here). Which engine's load starts first alternates by
+    round."""
     out: dict[str, dict[str, list[float]]] = {str(b): {"engine": [], "stock": []} for b in OVERHEAD_BATCHES}
     for r in range(rounds):
+        first = r % 2  # 0: the engine's load starts first, 1: the stock engine's
         for batch in OVERHEAD_BATCHES:
-            pair = (("engine", engine), ("stock", stock))
-            for role, e in pair if r % 2 == 0 else pair[::-1]:
-                value = await throughput(e, batch, texts, requests=overhead_requests(batch))
-                out[str(batch)][role].append(round(value, 1))
+            halves = []
+            for core in (0, 1):
+                pin_group(engine.process.pid, {core})
+                pin_group(stock.process.pid, {1 - core})
+                measured = await side_by_side((engine, stock)[:: 1 - 2 * first], batch, texts)
+                halves.append(measured[:: 1 - 2 * first])  # (engine, stock)
+            for role, i in (("engine", 0), ("stock", 1)):
+                out[str(batch)][role].append(round(math.sqrt(halves[0][i] * halves[1][i]), 1))
         print(f"  {engine.spec.served_model_name}: round {r + 1}/{rounds}", file=sys.stderr)
     return out
 
@@ -517,7 +565,8 @@ async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS, only: tuple
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
     eagle3 = HEADS["tiny-eagle3"]
     mixed = mixed_prompts()
-    stock = start_engines([engine_spec(workdir, "stock", None, stock=True)], workdir / "logs", 1200)[0]
+    stock_spec = one_core(engine_spec(workdir, "stock", None, stock=True))
+    stock = start_engines([stock_spec], workdir / "logs", 1200)[0]
     sidecar.wait_ready()
     results: dict = {}
     tps: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -535,6 +584,8 @@ async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS, only: tuple
         await pods[engine.spec.served_model_name].apply("ngram", 0, "off")
 
     candidates: list[Candidate] = [
+        # A second stock engine: the protocol's own resolution (what "the same engine" reads as).
+        (engine_spec(workdir, "stock-again", None, stock=True), all_off),
         (engine_spec(workdir, "specserve-no-drafter", None), all_off),
         (
             engine_spec(
@@ -550,13 +601,13 @@ async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS, only: tuple
             if only and spec.served_model_name not in only:
                 continue
             t0 = time.perf_counter()
-            engine = start_engines([spec], workdir / "logs", timeout_s=1200)[0]
+            engine = start_engines([one_core(spec)], workdir / "logs", timeout_s=1200)[0]
             print(f"{spec.served_model_name} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             try:
                 await turn_off(engine)
                 for e in (stock, engine):  # warm both once, outside the measurement
                     await throughput(e, 4, mixed, requests=4)
-                measured = await paired_rounds(stock, engine, mixed, rounds)
+                measured = await concurrent_rounds(stock, engine, mixed, rounds)
                 for batch, pair in measured.items():
                     tps.setdefault(batch, {})[spec.served_model_name] = pair["engine"]
                     tps[batch][f"stock beside {spec.served_model_name}"] = pair["stock"]
@@ -580,19 +631,17 @@ async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS, only: tuple
     return results
 
 
-async def run_resume(workdir: Path, stretch_s: float, cycles: int, resume: bool = True) -> dict:
-    """resume_mal_ratio of the stateful drafters (the sidecar's draft model, self-speculation and suffix;
-    vLLM's EAGLE-3 colocated; skipped without `resume`) and boundary_oscillation_ratio (the draft model,
-    EAGLE-3), one engine at a time."""
+async def run_resume(workdir: Path, stretch_s: float, cycles: int) -> dict:
+    """resume_mal_ratio of the stateful drafters: the sidecar's draft model, self-speculation and suffix;
+    vLLM's EAGLE-3 colocated; one engine at a time."""
     workdir.mkdir(parents=True, exist_ok=True)
     runtime = workdir / "sidecar-pod"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
     eagle3 = HEADS["tiny-eagle3"]
-    results: dict = {"boundary_oscillation_ratio": {}}
-    if resume:
-        results["resume_mal_ratio"] = {}
+    results: dict = {}
     hosted = engine_spec(workdir, "sidecar", ENGINE_DRAFTER, env={DEADLINE_ENV: "250"}, runtime_dir=runtime)
     colocated = engine_spec(workdir, "colocated-eagle3", eagle3, model=target_of(eagle3))
+    (resume_prompt, *_) = prompts("code")
     try:
         sidecar.wait_ready()
         for spec in (hosted, colocated):
@@ -601,36 +650,76 @@ async def run_resume(workdir: Path, stretch_s: float, cycles: int, resume: bool 
                 if spec is hosted:
                     pod = Pod(engine, sidecar)
                     setters = {n: _sidecar_setter(pod, n) for n in ("tiny-draft", "self", "suffix")}
-                    boundary = "tiny-draft"
                 else:
-                    boundary = "eagle3 (colocated)"
-                    setters = {boundary: _policy_file_setter(engine, eagle3.name)}
-                await stateful_drafters(results, engine, setters, stretch_s, cycles, boundary)
+                    setters = {"eagle3 (colocated)": _policy_file_setter(engine, eagle3.name)}
+                for name, setter in setters.items():
+                    results[name] = await resume_mal(engine, setter, resume_prompt, stretch_s, cycles)
+                    print(f"resume {name}: {results[name]}", file=sys.stderr)
             finally:
                 engine.stop()
     finally:
         sidecar.stop()
-    return results
+    return {"resume_mal_ratio": results}
 
 
-async def stateful_drafters(
-    results: dict,
-    engine: EngineProcess,
-    setters: dict[str, SetTable],
-    stretch_s: float,
-    cycles: int,
-    boundary: str,
-) -> None:
-    """resume_mal_ratio for each drafter `setters` switches on (where `results` asks for it),
-    boundary_oscillation_ratio for one."""
-    (resume_prompt, *_) = prompts("code")
-    for name, setter in setters.items() if "resume_mal_ratio" in results else ():
-        r = await resume_mal(engine, setter, resume_prompt, stretch_s, cycles)
-        results["resume_mal_ratio"][name] = r
-        print(f"resume {name}: {r}", file=sys.stderr)
-    ratio = await boundary_oscillation(engine, setters[boundary], mixed_prompts())
-    results["boundary_oscillation_ratio"][boundary] = ratio
-    print(f"boundary {boundary}: {ratio}", file=sys.stderr)
+@dataclasses.dataclass
+class BoundarySide:
+    """One of the two identical engines the boundary measurement runs at once: what to pin to a core (the
+    engine's process group, and its sidecar's) and how to set its K table."""
+
+    engine: EngineProcess
+    groups: tuple[int, ...]
+    set_table: SetTable
+
+    def pin(self, core: int) -> None:
+        for pgid in self.groups:
+            pin_group(pgid, {core})
+
+
+async def run_boundary(workdir: Path) -> dict:
+    """boundary_oscillation_ratio of the sidecar's draft model and of EAGLE-3 colocated, each measured on
+    two identical engines at once (one core each; each sidecar-hosted engine with its own sidecar)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    eagle3 = HEADS["tiny-eagle3"]
+    results: dict = {}
+    runtimes = [workdir / f"sidecar-pod-{i}" for i in (0, 1)]
+    sidecars = [start_sidecar(sidecar_config(r), workdir / f"sidecar-{i}") for i, r in enumerate(runtimes)]
+    try:
+        for sidecar in sidecars:
+            sidecar.wait_ready()
+        hosted = [
+            one_core(
+                engine_spec(workdir, f"sidecar-{i}", ENGINE_DRAFTER, env={DEADLINE_ENV: "250"}, runtime_dir=r)
+            )
+            for i, r in enumerate(runtimes)
+        ]
+        engines = start_engines(hosted, workdir / "logs", timeout_s=1200)
+        try:
+            pair = tuple(
+                BoundarySide(e, (e.process.pid, s.process.pid), _sidecar_setter(Pod(e, s), "tiny-draft"))
+                for e, s in zip(engines, sidecars, strict=True)
+            )
+            results["tiny-draft"] = await boundary_oscillation(pair, mixed_prompts())
+            print(f"boundary tiny-draft: {results['tiny-draft']}", file=sys.stderr)
+        finally:
+            for engine in engines:
+                engine.stop()
+    finally:
+        for sidecar in sidecars:
+            sidecar.stop()
+    colocated = [
+        one_core(engine_spec(workdir, f"colocated-eagle3-{i}", eagle3, model=target_of(eagle3)))
+        for i in (0, 1)
+    ]
+    engines = start_engines(colocated, workdir / "logs", timeout_s=1200)
+    try:
+        pair = tuple(BoundarySide(e, (e.process.pid,), _policy_file_setter(e, eagle3.name)) for e in engines)
+        results["eagle3 (colocated)"] = await boundary_oscillation(pair, mixed_prompts())
+        print(f"boundary eagle3 (colocated): {results['eagle3 (colocated)']}", file=sys.stderr)
+    finally:
+        for engine in engines:
+            engine.stop()
+    return {"boundary_oscillation_ratio": results}
 
 
 def _policy_file_setter(engine: EngineProcess, drafter: str) -> SetTable:
@@ -733,24 +822,29 @@ async def resume_mal(
     }
 
 
-async def boundary_oscillation(engine: EngineProcess, set_table: SetTable, texts: list[str]) -> dict:
-    """Tokens/s while the load alternates between BOUNDARY_LOW and BOUNDARY_HIGH requests in flight
-    across a bucket boundary where K changes (K = MAX_K up to bucket 4, 0 above), divided by the mean of
-    the two steady states' tokens/s (half the time at each). BOUNDARY_ROUNDS rounds, the three loads
-    interleaved in a rotating order within each, so a slow spell of the machine falls on all three; the
-    median and range of the rounds' ratios."""
+async def boundary_oscillation(pair: tuple[BoundarySide, ...], texts: list[str]) -> dict:
+    """Tokens/s of one engine while its load alternates between BOUNDARY_LOW and BOUNDARY_HIGH requests
+    in flight every half BOUNDARY_PERIOD_S, across a bucket boundary where K changes (K = MAX_K up to
+    bucket 4, 0 above), divided by the tokens/s of an identical engine over the same BOUNDARY_S holding
+    each steady state for half of it: the interpolation of the two steady states, measured at the same
+    time so that a slow spell of the machine falls on both. A round measures four windows, each engine
+    alternating once on each core; its ratio is the geometric mean of the four windows' (so neither the
+    engines nor the cores favour a side). Median and range over BOUNDARY_ROUNDS rounds."""
     table = {b: (MAX_K if b in ("1", "2", "4") else 0) for b in bucket_labels(BUCKETS)}
-    await set_table(table)
-    loads = (f"steady {BOUNDARY_LOW}", f"steady {BOUNDARY_HIGH}", "alternating")
+    for side in pair:
+        await side.set_table(table)
     rounds = []
     for r in range(BOUNDARY_ROUNDS):
-        measured = {}
-        for load_name in loads[r % 3 :] + loads[: r % 3]:
-            measured[load_name] = await _boundary_load(engine, texts, load_name)
-        interpolated = (measured[loads[0]] + measured[loads[1]]) / 2
-        rounds.append(
-            {n: round(measured[n], 1) for n in loads} | {"ratio": round(measured[loads[2]] / interpolated, 3)}
-        )
+        windows = []
+        for alternating, core in ((0, 0), (1, 1), (0, 1), (1, 0)):
+            pair[alternating].pin(core)
+            pair[1 - alternating].pin(1 - core)
+            alt, steady = await _boundary_window(
+                pair[alternating].engine, pair[1 - alternating].engine, texts, r
+            )
+            windows.append({"alternating": round(alt, 1), "steady": round(steady, 1)})
+        ratio = math.prod(w["alternating"] / w["steady"] for w in windows) ** (1 / len(windows))
+        rounds.append({"windows": windows, "ratio": round(ratio, 3)})
     ratios = [r["ratio"] for r in rounds]
     return {
         "ratio": round(statistics.median(ratios), 3),
@@ -760,19 +854,28 @@ async def boundary_oscillation(engine: EngineProcess, set_table: SetTable, texts
     }
 
 
-async def _boundary_load(engine: EngineProcess, texts: list[str], load_name: str) -> float:
-    """Tokens/s over BOUNDARY_S of one boundary load: steady at BOUNDARY_LOW or BOUNDARY_HIGH requests in
-    flight, or alternating between them every half BOUNDARY_PERIOD_S."""
-    alternating = load_name == "alternating"
-    slots = BOUNDARY_HIGH if alternating or load_name.endswith(str(BOUNDARY_HIGH)) else BOUNDARY_LOW
-    async with ClosedLoop(engine, texts, slots, 64) as load:
+async def _boundary_window(
+    alternating: EngineProcess, steady: EngineProcess, texts: list[str], round_index: int
+) -> tuple[float, float]:
+    """Tokens/s of both engines over the same BOUNDARY_S: `alternating` switching between BOUNDARY_LOW and
+    BOUNDARY_HIGH requests in flight every half BOUNDARY_PERIOD_S, `steady` at one for the first half of
+    the window and the other for the second (which first alternates by round)."""
+    levels = (BOUNDARY_LOW, BOUNDARY_HIGH) if round_index % 2 == 0 else (BOUNDARY_HIGH, BOUNDARY_LOW)
+    async with (
+        ClosedLoop(alternating, texts, BOUNDARY_HIGH, 64) as alt_load,
+        ClosedLoop(steady, texts, BOUNDARY_HIGH, 64) as steady_load,
+    ):
+        alt_load.active = steady_load.active = levels[0]
         await asyncio.sleep(1.0)
-        g0, t0 = load.generated, time.perf_counter()
-        while time.perf_counter() - t0 < BOUNDARY_S:
-            if alternating:
-                load.active = BOUNDARY_LOW if load.active == BOUNDARY_HIGH else BOUNDARY_HIGH
-            await asyncio.sleep(BOUNDARY_PERIOD_S / 2)
-        return (load.generated - g0) / (time.perf_counter() - t0)
+        before = await asyncio.gather(generated_tokens(alternating), generated_tokens(steady))
+        t0 = time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < BOUNDARY_S:
+            alt_load.active = BOUNDARY_LOW if alt_load.active == BOUNDARY_HIGH else BOUNDARY_HIGH
+            steady_load.active = levels[0] if elapsed < BOUNDARY_S / 2 else levels[1]
+            await asyncio.sleep(min(BOUNDARY_PERIOD_S / 2, BOUNDARY_S - elapsed))
+        after = await asyncio.gather(generated_tokens(alternating), generated_tokens(steady))
+        elapsed = time.perf_counter() - t0
+    return (after[0] - before[0]) / elapsed, (after[1] - before[1]) / elapsed
 
 
 def overhead_summary(tps: dict[str, dict[str, list[float]]]) -> dict:
@@ -851,7 +954,9 @@ def resume_table(results: dict) -> str:
     ]
     for name, r in results["boundary_oscillation_ratio"].items():
         lines.append(f"  {name:22} {r['ratio']:.3f} [{r['min']:.3f}-{r['max']:.3f}]")
-        lines += [f"    round {i + 1}: {tps}" for i, tps in enumerate(r["rounds"])]
+        for i, rnd in enumerate(r["rounds"]):
+            windows = ", ".join(f"{w['alternating']:.0f}/{w['steady']:.0f}" for w in rnd["windows"])
+            lines.append(f"    round {i + 1}: {rnd['ratio']:.3f} (tokens/s alternating/steady: {windows})")
     return "\n".join(lines)
 
 
@@ -951,12 +1056,14 @@ def main() -> None:
         print(f"\nwrote {out}, its plots and {overhead_plot}")
     if args.phase in ("all", "resume", "boundary"):
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
-            resume = args.phase != "boundary"
-            measured = asyncio.run(run_resume(Path(tmp), args.stretch, args.cycles, resume))
+            measured = {}
+            if args.phase != "boundary":
+                measured |= asyncio.run(run_resume(Path(tmp) / "resume", args.stretch, args.cycles))
+            measured |= asyncio.run(run_boundary(Path(tmp) / "boundary"))
         results = json.loads(out.read_text()) if out.exists() else {}
         results.update(measured)
         out.write_text(json.dumps(results, indent=2) + "\n")
-        print(resume_table(measured))
+        print(resume_table(results))
         print(f"\nwrote {out}")
 
 

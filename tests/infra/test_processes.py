@@ -22,6 +22,7 @@ from specserve_engine.processes import (
     ServiceStartError,
     group_alive,
     group_rss_bytes,
+    pin_group,
 )
 from specserve_operator.local.preflight import port_in_use
 
@@ -55,6 +56,31 @@ def test_stop_takes_down_grandchildren(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 8
     assert not proc.running()
     assert not group_alive(proc.pid)
+
+
+def test_pin_group_moves_every_process_and_thread_of_the_group(tmp_path: Path) -> None:
+    proc = _stubborn(tmp_path)  # a shell and its grandchild
+    ours = os.sched_getaffinity(0)
+    try:
+        assert proc.pid is not None
+        members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgrp(p) == proc.pid]
+        assert len(members) >= 2
+        core = max(ours)
+        pin_group(proc.pid, {core})
+        for member in members:
+            for task in (member / "task").iterdir():
+                assert os.sched_getaffinity(int(task.name)) == {core}
+        assert os.sched_getaffinity(0) == ours  # only the group moved
+    finally:
+        proc.stop(grace_s=0.5)
+
+
+def _pgrp(proc_entry: Path) -> int | None:
+    try:
+        stat = (proc_entry / "stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2 :].split()[2])
 
 
 def test_stop_is_quick_for_a_well_behaved_child(tmp_path: Path) -> None:
