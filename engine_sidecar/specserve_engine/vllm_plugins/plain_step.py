@@ -14,10 +14,15 @@ engine_args.py) is vLLM's worker for the platform whose model runner is `PlainSt
 - the sidecar's proposer gets the step's K and the rows' request ids (row identity without hashing);
 - suffix decoding drafts only K tokens, and catches up on the tokens of the steps it skipped; Medusa's
   heads run once and are cut to K (vLLM's proposer insists on its maximum);
-- drafters with their own KV cache (EAGLE, EAGLE-3, MTP, draft model) missed the tokens of a skipped
-  step, and their cache for those positions is stale: the requests that were in a skipped step get no
-  drafts from them until they finish (correct output, no drafting from stale state); requests admitted
-  later draft normally, and a step of stale requests alone runs plain (its drafts would all be dropped).
+- drafters with their own KV cache (EAGLE, EAGLE-3, MTP, draft model) miss the positions of a skipped
+  step. Those fed the target's hidden states (EAGLE, EAGLE-3, MTP) catch up when speculation resumes:
+  a plain step keeps the hidden states of the positions it ran (CATCH_UP_TOKENS at most, all requests
+  together), and the first step that proposes again first runs the drafter's own KV-filling pass (vLLM's
+  K = 0 pass) over them; the step that turns speculation off runs that pass over the positions it
+  verified. A request whose skipped positions do not fit, and every request of a draft-model drafter
+  (its pass needs more than tokens and hidden states), is stale: it gets no drafts until it finishes
+  (correct output, no drafting from stale state); requests admitted later draft normally, and a step of
+  stale requests alone runs plain (its drafts would all be dropped).
 
 After every step of a speculative engine, vLLM's engine core asks the worker for the drafts it proposed:
 where the worker runs in its own process (the CPU backend always, GPUs with tensor parallelism) that is a
@@ -34,11 +39,13 @@ are plain and that greedy output is unchanged on the pinned vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from vllm.platforms import current_platform
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.outputs import DraftTokenIds
@@ -56,6 +63,24 @@ RUNNER_CONTRACT: dict[str, tuple[str, ...]] = {
     "take_draft_token_ids": (),
 }
 RUNNER_ATTRIBUTES = ("speculative_config", "drafter", "input_batch", "num_spec_tokens")
+# Positions of skipped steps whose hidden states a runner keeps for a drafter to catch up on, all requests
+# together (an 8B EAGLE-3's three layers in bf16: 24 KiB a position, 48 MiB in all); further positions
+# leave their requests stale. Capped at the engine's tokens per step, the most one drafter pass takes.
+CATCH_UP_TOKENS = 2048
+
+
+@dataclasses.dataclass
+class Skipped:
+    """A request's positions that ran in plain steps (contiguous, from `start`), with the target's hidden
+    states for them (in the order they ran)."""
+
+    start: int
+    count: int = 0
+    hidden: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
 
 
 class UnsupportedRunner(RuntimeError):
@@ -106,6 +131,8 @@ class PlainStepRunner:
     _spec_config: Any
     _plain_now: bool
     _stale: set[str]  # requests a stateful drafter missed tokens of
+    _skipped: dict[str, Skipped]  # requests a hidden-state drafter will catch up on
+    _skipped_tokens: int
     _suffix_seen: dict[str, int]  # tokens of each request the suffix cache holds
     plain_steps: int
     spec_steps: int
@@ -114,6 +141,8 @@ class PlainStepRunner:
         self._spec_config = self.speculative_config
         self._plain_now = False
         self._stale = set()
+        self._skipped = {}
+        self._skipped_tokens = 0
         self._suffix_seen = {}
         self.plain_steps = 0
         self.spec_steps = 0
@@ -121,9 +150,20 @@ class PlainStepRunner:
     def _stateful_drafter(self: Any) -> bool:
         return bool(self._spec_config.uses_draft_kv_cache())
 
+    def _catches_up(self: Any) -> bool:
+        """Whether the drafter's KV-filling pass takes what a plain step can keep: the target's tokens,
+        positions and hidden states (EAGLE, EAGLE-3, MTP; not the draft model, not M-RoPE positions)."""
+        drafter = self.drafter
+        return (
+            getattr(drafter, "pass_hidden_states_to_model", False)
+            and not getattr(drafter, "needs_extra_input_slots", True)
+            and not self.uses_mrope
+        )
+
     def execute_model(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         for req_id in scheduler_output.finished_req_ids:
             self._stale.discard(req_id)
+            self._forget_skipped(req_id)
             self._suffix_seen.pop(req_id, None)
         self._plain_now = scheduler_output.total_num_scheduled_tokens > 0 and is_plain_step(
             scheduler_output.num_spec_tokens_to_schedule,
@@ -146,7 +186,10 @@ class PlainStepRunner:
         self._plain_now = False
         self.plain_steps += 1
         if self._stateful_drafter():
-            self._stale.update(self.input_batch.req_ids)
+            if self._catches_up():
+                self._keep_skipped()  # before vLLM's sampling consumes the step's state
+            else:
+                self._stale.update(self.input_batch.req_ids)
         self.speculative_config = None
         try:
             return super().sample_tokens(grammar_output)  # type: ignore[misc]
@@ -159,9 +202,19 @@ class PlainStepRunner:
         k = scheduler_output.num_spec_tokens_to_schedule
         batch = self.input_batch
         if k == 0:  # drafts verified in this step, none wanted for the next
+            if self._stateful_drafter() and self._catches_up():
+                # vLLM's K = 0 pass: the drafter's cache takes the positions this step verified.
+                return super().propose_draft_token_ids(  # type: ignore[misc]
+                    scheduler_output, sampled_token_ids, *args, **kwargs
+                )
             if self._stateful_drafter():
                 self._stale.update(batch.req_ids)
             return [[] for _ in range(batch.num_reqs)]
+        if self._skipped:
+            bound = inspect.signature(super().propose_draft_token_ids).bind(  # type: ignore[misc]
+                scheduler_output, sampled_token_ids, *args, **kwargs
+            )
+            self._catch_up(bound.arguments["common_attn_metadata"], bound.arguments["sampling_metadata"])
         drafter = self.drafter
         if isinstance(drafter, SidecarProposer):
             return drafter.propose_rows(
@@ -183,6 +236,102 @@ class PlainStepRunner:
         finally:
             drafter.num_speculative_tokens = self.num_spec_tokens
         return drafts[:, :k] if method == "medusa" else drafts
+
+    def _forget_skipped(self: Any, req_id: str) -> None:
+        entry = self._skipped.pop(req_id, None)
+        if entry is not None:
+            self._skipped_tokens -= entry.count
+
+    def _keep_skipped(self: Any) -> None:
+        """Keep the hidden states of every position this plain step ran, per request, for the drafter to
+        catch up on; a request whose positions do not fit (or do not follow on from those kept) is stale."""
+        state = self.execute_model_state
+        scheduled = state.scheduler_output.num_scheduled_tokens
+        n = state.scheduler_output.total_num_scheduled_tokens
+        if state.aux_hidden_states is not None:
+            hidden = torch.cat([h[:n] for h in state.aux_hidden_states], dim=-1)
+        else:
+            hidden = state.hidden_states[:n].clone()  # the runner reuses its buffer next step
+        cap = min(CATCH_UP_TOKENS, self.scheduler_config.max_num_batched_tokens)
+        batch = self.input_batch
+        offset = 0
+        for i, req_id in enumerate(batch.req_ids):
+            count = scheduled.get(req_id, 0)
+            first = int(batch.num_computed_tokens_cpu[i])  # the step's first position of the request
+            rows, offset = slice(offset, offset + count), offset + count
+            if count == 0 or req_id in self._stale:
+                continue
+            entry = self._skipped.setdefault(req_id, Skipped(first))
+            if entry.end != first or self._skipped_tokens + count > cap:
+                self._forget_skipped(req_id)
+                self._stale.add(req_id)
+                continue
+            entry.hidden.append(hidden[rows])
+            entry.count += count
+            self._skipped_tokens += count
+
+    def _catch_up(self: Any, cad: Any, sampling_metadata: Any) -> None:
+        """Run the drafter's KV-filling pass over the kept positions of the requests in this step, before
+        it drafts for them: for each, the tokens at those positions and the target's hidden states there,
+        the token after the last (this step's first) as the pass's next token. Requests kept but not in
+        this step, or whose positions no longer follow on, become stale."""
+        batch = self.input_batch
+        skipped, self._skipped, self._skipped_tokens = self._skipped, {}, 0
+        rows: list[int] = []
+        entries: list[Skipped] = []
+        for i, req_id in enumerate(batch.req_ids):
+            entry = skipped.pop(req_id, None)
+            if entry is None:
+                continue
+            if entry.end == int(batch.num_computed_tokens_cpu[i]):
+                rows.append(i)
+                entries.append(entry)
+            else:
+                self._stale.add(req_id)
+        self._stale.update(skipped)  # kept, but not in this step
+        if not entries:
+            return
+        pairs = list(zip(rows, entries, strict=True))
+        tokens = [torch.from_numpy(batch.token_ids_cpu[i, e.start : e.end]) for i, e in pairs]
+        positions = torch.cat([torch.arange(e.start, e.end) for e in entries])
+        counts = torch.tensor([e.count for e in entries])
+        query_start = torch.zeros(len(entries) + 1, dtype=torch.int32)
+        query_start[1:] = torch.cumsum(counts, 0)
+        block_table = cad.block_table_tensor[torch.tensor(rows, device=cad.block_table_tensor.device)]
+        block_size = self.drafter.block_size
+        request = torch.repeat_interleave(torch.arange(len(entries)), counts).to(block_table.device)
+        on_device = positions.to(block_table.device)
+        slots = block_table[request, on_device // block_size] * block_size + on_device % block_size
+        seq_lens = torch.tensor([e.end for e in entries], dtype=torch.int32)
+        ours = {
+            "query_start_loc": query_start.to(cad.query_start_loc.device),
+            "query_start_loc_cpu": query_start,
+            "seq_lens": seq_lens.to(cad.seq_lens.device),
+            "num_reqs": len(entries),
+            "num_actual_tokens": int(counts.sum()),
+            "max_query_len": int(counts.max()),
+            "max_seq_len": int(seq_lens.max()),
+            "block_table_tensor": block_table,
+            "slot_mapping": slots.to(torch.int64),
+            "causal": True,
+        }
+        # Every other per-request field is optional (None where a backend does not need it).
+        unset = {f.name: None for f in dataclasses.fields(cad) if f.name not in ours and f.default is None}
+        device = self.input_ids.gpu.device
+        self.drafter.propose(
+            num_speculative_tokens=0,
+            target_token_ids=torch.cat(tokens).to(device=device, dtype=self.input_ids.gpu.dtype),
+            target_positions=positions.to(device=device, dtype=self.positions.dtype),
+            target_hidden_states=torch.cat([h for e in entries for h in e.hidden]),
+            next_token_ids=torch.tensor(
+                [int(batch.token_ids_cpu[i, e.end]) for i, e in pairs],
+                device=device,
+                dtype=self.input_ids.gpu.dtype,
+            ),
+            token_indices_to_sample=None,
+            common_attn_metadata=dataclasses.replace(cad, **ours, **unset),
+            sampling_metadata=sampling_metadata,
+        )
 
     def _suffix_catch_up(self: Any, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Each row's output tokens the suffix cache has not seen (those of the steps it skipped and this
