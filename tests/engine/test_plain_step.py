@@ -22,6 +22,7 @@ from specserve_engine.vllm_plugins.plain_step import (
     PlainStepExecutor,
     PlainStepRunner,
     UnsupportedRunner,
+    check_catch_up,
     check_runner,
 )
 from specserve_testing.engines import HEADS, MAX_K, NGRAM, TARGET, in_process_engine_args, prompts
@@ -45,6 +46,19 @@ def test_the_pinned_runner_has_what_plain_steps_wrap() -> None:
         check_runner(Renamed)
     with pytest.raises(UnsupportedRunner, match="V1 model runner"):
         check_runner(object)
+
+
+def test_the_pinned_drafters_have_what_the_catch_up_uses() -> None:
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    check_catch_up(EagleProposer)
+
+    class Renamed(EagleProposer):
+        def propose(self, num_speculative_tokens: int, target_ids: Any, **kwargs: Any) -> Any:
+            return super().propose(num_speculative_tokens, target_ids, **kwargs)
+
+    with pytest.raises(UnsupportedRunner, match="target_token_ids"):
+        check_catch_up(Renamed)
 
 
 class InProcessEngine:

@@ -63,6 +63,30 @@ RUNNER_CONTRACT: dict[str, tuple[str, ...]] = {
     "take_draft_token_ids": (),
 }
 RUNNER_ATTRIBUTES = ("speculative_config", "drafter", "input_batch", "num_spec_tokens")
+# What the catch-up (PlainStepRunner._keep_skipped, _catch_up) reads and calls, as vLLM 0.32 defines it.
+CATCH_UP_PROPOSE_ARGS = (
+    "num_speculative_tokens",
+    "target_token_ids",
+    "target_positions",
+    "target_hidden_states",
+    "next_token_ids",
+    "token_indices_to_sample",
+    "common_attn_metadata",
+    "sampling_metadata",
+)
+CATCH_UP_METADATA_FIELDS = (
+    "query_start_loc",
+    "query_start_loc_cpu",
+    "seq_lens",
+    "num_reqs",
+    "num_actual_tokens",
+    "max_query_len",
+    "max_seq_len",
+    "block_table_tensor",
+    "slot_mapping",
+    "causal",
+)
+CATCH_UP_STATE_FIELDS = ("scheduler_output", "hidden_states", "aux_hidden_states")
 # Positions of skipped steps whose hidden states a runner keeps for a drafter to catch up on, all requests
 # together (an 8B EAGLE-3's three layers in bf16: 24 KiB a position, 48 MiB in all); further positions
 # leave their requests stale. Capped at the engine's tokens per step, the most one drafter pass takes.
@@ -102,6 +126,21 @@ def check_runner(runner_class: type) -> None:
         have = list(inspect.signature(method).parameters)[1:]
         if list(params) != have[: len(params)]:
             raise UnsupportedRunner(f"{name}{tuple(have)}: expected the arguments to start with {params}")
+
+
+def check_catch_up(proposer_class: type) -> None:
+    """Raise UnsupportedRunner unless the drafter's pass, vLLM's attention metadata and the runner's step
+    state have what the catch-up uses (an upgrade that changes them must fail at start-up)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.gpu_model_runner import ExecuteModelState
+
+    params = inspect.signature(proposer_class.propose).parameters
+    missing = [f"{proposer_class.__name__}.propose({a})" for a in CATCH_UP_PROPOSE_ARGS if a not in params]
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    missing += [f"CommonAttentionMetadata.{f}" for f in CATCH_UP_METADATA_FIELDS if f not in fields]
+    missing += [f"ExecuteModelState.{f}" for f in CATCH_UP_STATE_FIELDS if f not in ExecuteModelState._fields]
+    if missing:
+        raise UnsupportedRunner(f"the drafter catch-up needs {', '.join(missing)}")
 
 
 def is_plain_step(
@@ -368,6 +407,8 @@ def adopt_runner(runner: Any) -> Any:
         raise UnsupportedRunner(f"vLLM's model runner lacks {', '.join(missing)}")
     runner.__class__ = type(f"PlainStep{base.__name__}", (PlainStepRunner, base), {})
     runner.adopt()
+    if runner._stateful_drafter() and runner._catches_up():
+        check_catch_up(type(runner.drafter))
     return runner
 
 
