@@ -43,8 +43,9 @@ import dataclasses
 import inspect
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from vllm.platforms import current_platform
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -93,10 +94,22 @@ CATCH_UP_STATE_FIELDS = ("scheduler_output", "hidden_states", "aux_hidden_states
 CATCH_UP_TOKENS = 2048
 
 
+class SkippedStep(NamedTuple):
+    """What one plain step ran, kept for a hidden-state drafter to catch up on: its requests (the input
+    batch's order), each one's first position, the positions scheduled per request, their number, and the
+    target's hidden states for all of them (the requests' rows one after another). In eager mode these are
+    the step's own outputs, kept as they are: a plain step stays as cheap as a stock engine's."""
+
+    req_ids: list[str]
+    firsts: np.ndarray
+    scheduled: dict[str, int]
+    tokens: int
+    hidden: list[torch.Tensor]  # EAGLE-3: the target's three layers', joined when caught up; else one
+
+
 @dataclasses.dataclass
 class Skipped:
-    """A request's positions that ran in plain steps (contiguous, from `start`), with the target's hidden
-    states for them (in the order they ran)."""
+    """One request's positions from the kept steps: contiguous from `start`, their hidden states in order."""
 
     start: int
     count: int = 0
@@ -105,6 +118,26 @@ class Skipped:
     @property
     def end(self) -> int:
         return self.start + self.count
+
+
+def skipped_by_request(steps: Iterable[SkippedStep]) -> tuple[dict[str, Skipped], set[str]]:
+    """The kept steps' positions per request, and the requests whose kept positions have a gap (a
+    preempted request computed again)."""
+    out: dict[str, Skipped] = {}
+    broken: set[str] = set()
+    for step in steps:
+        offset = 0
+        for req_id, first in zip(step.req_ids, step.firsts.tolist(), strict=True):
+            count = step.scheduled.get(req_id, 0)
+            rows, offset = slice(offset, offset + count), offset + count
+            if count == 0:
+                continue
+            entry = out.setdefault(req_id, Skipped(first))
+            if entry.end != first:
+                broken.add(req_id)
+            entry.hidden.append(torch.cat([h[rows] for h in step.hidden], dim=-1))
+            entry.count += count
+    return {r: e for r, e in out.items() if r not in broken}, broken
 
 
 class UnsupportedRunner(RuntimeError):
@@ -170,8 +203,9 @@ class PlainStepRunner:
     _spec_config: Any
     _plain_now: bool
     _stale: set[str]  # requests a stateful drafter missed tokens of
-    _skipped: dict[str, Skipped]  # requests a hidden-state drafter will catch up on
+    _skipped: list[SkippedStep]  # plain steps a hidden-state drafter will catch up on
     _skipped_tokens: int
+    _catch_up_cap: int
     _suffix_seen: dict[str, int]  # tokens of each request the suffix cache holds
     plain_steps: int
     spec_steps: int
@@ -180,8 +214,9 @@ class PlainStepRunner:
         self._spec_config = self.speculative_config
         self._plain_now = False
         self._stale = set()
-        self._skipped = {}
+        self._skipped = []
         self._skipped_tokens = 0
+        self._catch_up_cap = min(CATCH_UP_TOKENS, self.scheduler_config.max_num_batched_tokens)
         self._suffix_seen = {}
         self.plain_steps = 0
         self.spec_steps = 0
@@ -202,7 +237,6 @@ class PlainStepRunner:
     def execute_model(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         for req_id in scheduler_output.finished_req_ids:
             self._stale.discard(req_id)
-            self._forget_skipped(req_id)
             self._suffix_seen.pop(req_id, None)
         self._plain_now = scheduler_output.total_num_scheduled_tokens > 0 and is_plain_step(
             scheduler_output.num_spec_tokens_to_schedule,
@@ -276,38 +310,32 @@ class PlainStepRunner:
             drafter.num_speculative_tokens = self.num_spec_tokens
         return drafts[:, :k] if method == "medusa" else drafts
 
-    def _forget_skipped(self: Any, req_id: str) -> None:
-        entry = self._skipped.pop(req_id, None)
-        if entry is not None:
-            self._skipped_tokens -= entry.count
-
     def _keep_skipped(self: Any) -> None:
-        """Keep the hidden states of every position this plain step ran, per request, for the drafter to
-        catch up on; a request whose positions do not fit (or do not follow on from those kept) is stale."""
+        """Keep what this plain step ran for the drafter to catch up on (references to the step's hidden
+        states and a copy of its requests' positions; the per-request work waits for the catch-up). Where
+        the kept steps exceed CATCH_UP_TOKENS positions the oldest go, and their requests become stale."""
         state = self.execute_model_state
-        scheduled = state.scheduler_output.num_scheduled_tokens
-        n = state.scheduler_output.total_num_scheduled_tokens
-        if state.aux_hidden_states is not None:
-            hidden = torch.cat([h[:n] for h in state.aux_hidden_states], dim=-1)
-        else:
-            hidden = state.hidden_states[:n].clone()  # the runner reuses its buffer next step
-        cap = min(CATCH_UP_TOKENS, self.scheduler_config.max_num_batched_tokens)
+        out = state.scheduler_output
+        n = out.total_num_scheduled_tokens
+        hidden = state.aux_hidden_states or [state.hidden_states]
+        if not self.model_config.enforce_eager:  # replayed graphs write the same buffers every step
+            hidden = [h[:n].clone() for h in hidden]
         batch = self.input_batch
-        offset = 0
-        for i, req_id in enumerate(batch.req_ids):
-            count = scheduled.get(req_id, 0)
-            first = int(batch.num_computed_tokens_cpu[i])  # the step's first position of the request
-            rows, offset = slice(offset, offset + count), offset + count
-            if count == 0 or req_id in self._stale:
-                continue
-            entry = self._skipped.setdefault(req_id, Skipped(first))
-            if entry.end != first or self._skipped_tokens + count > cap:
-                self._forget_skipped(req_id)
-                self._stale.add(req_id)
-                continue
-            entry.hidden.append(hidden[rows])
-            entry.count += count
-            self._skipped_tokens += count
+        k = batch.num_reqs
+        self._skipped.append(
+            SkippedStep(
+                batch.req_ids[:k],
+                batch.num_computed_tokens_cpu[:k].copy(),
+                out.num_scheduled_tokens,
+                n,
+                hidden,
+            )
+        )
+        self._skipped_tokens += n
+        while self._skipped_tokens > self._catch_up_cap:
+            dropped = self._skipped.pop(0)
+            self._skipped_tokens -= dropped.tokens
+            self._stale.update(r for r in dropped.req_ids if dropped.scheduled.get(r, 0))
 
     def _catch_up(self: Any, cad: Any, sampling_metadata: Any) -> None:
         """Run the drafter's KV-filling pass over the kept positions of the requests in this step, before
@@ -315,12 +343,14 @@ class PlainStepRunner:
         the token after the last (this step's first) as the pass's next token. Requests kept but not in
         this step, or whose positions no longer follow on, become stale."""
         batch = self.input_batch
-        skipped, self._skipped, self._skipped_tokens = self._skipped, {}, 0
+        skipped, broken = skipped_by_request(self._skipped)
+        self._skipped, self._skipped_tokens = [], 0
+        self._stale.update(broken)
         rows: list[int] = []
         entries: list[Skipped] = []
         for i, req_id in enumerate(batch.req_ids):
             entry = skipped.pop(req_id, None)
-            if entry is None:
+            if entry is None or req_id in self._stale:
                 continue
             if entry.end == int(batch.num_computed_tokens_cpu[i]):
                 rows.append(i)
