@@ -259,6 +259,7 @@ def test_a_request_whose_skipped_positions_do_not_fit_gets_no_drafts(
     engine.policy(1, 0)
     stale = engine.add(texts[:3])
     engine.run(steps=4)  # the old requests run K = 0 steps: EAGLE's cache misses their tokens
+    assert not runner._keeping and not runner._skipped  # a stretch too long: nothing more is kept
     engine.policy(2, MAX_K)
     # Speculation on, stale requests alone: their drafts would be dropped, so their steps run plain.
     proposals = _count_calls(runner.drafter, "propose")

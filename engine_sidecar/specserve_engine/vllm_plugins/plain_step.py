@@ -15,12 +15,12 @@ engine_args.py) is vLLM's worker for the platform whose model runner is `PlainSt
 - suffix decoding drafts only K tokens, and catches up on the tokens of the steps it skipped; Medusa's
   heads run once and are cut to K (vLLM's proposer insists on its maximum);
 - drafters with their own KV cache (EAGLE, EAGLE-3, MTP, draft model) miss the positions of a skipped
-  step. Those fed the target's hidden states (EAGLE, EAGLE-3, MTP) catch up when speculation resumes:
-  a plain step keeps the hidden states of the positions it ran (CATCH_UP_TOKENS at most, all requests
-  together), and the first step that proposes again first runs the drafter's own KV-filling pass (vLLM's
-  K = 0 pass) over them; the step that turns speculation off runs that pass over the positions it
-  verified. A request whose skipped positions do not fit, and every request of a draft-model drafter
-  (its pass needs more than tokens and hidden states), is stale: it gets no drafts until it finishes
+  step. Those fed the target's hidden states (EAGLE, EAGLE-3, MTP) catch up after a short K = 0 stretch:
+  its plain steps keep the hidden states of the positions they ran (CATCH_UP_TOKENS at most, all
+  requests together), and the first step that proposes again first runs the drafter's own KV-filling
+  pass (vLLM's K = 0 pass) over them; the step that turns speculation off runs that pass over the
+  positions it verified. The requests of a longer stretch, and every request of a draft-model drafter
+  (its pass needs more than tokens and hidden states), are stale: they get no drafts until they finish
   (correct output, no drafting from stale state); requests admitted later draft normally, and a step of
   stale requests alone runs plain (its drafts would all be dropped).
 
@@ -89,8 +89,9 @@ CATCH_UP_METADATA_FIELDS = (
 )
 CATCH_UP_STATE_FIELDS = ("scheduler_output", "hidden_states", "aux_hidden_states")
 # Positions of skipped steps whose hidden states a runner keeps for a drafter to catch up on, all requests
-# together (an 8B EAGLE-3's three layers in bf16: 24 KiB a position, 48 MiB in all); further positions
-# leave their requests stale. Capped at the engine's tokens per step, the most one drafter pass takes.
+# together (an 8B EAGLE-3's three layers in bf16: 24 KiB a position, 48 MiB in all); a K = 0 stretch
+# longer than that leaves its requests stale. Capped at the engine's tokens per step, the most one drafter
+# pass takes.
 CATCH_UP_TOKENS = 2048
 
 
@@ -206,6 +207,7 @@ class PlainStepRunner:
     _skipped: list[SkippedStep]  # plain steps a hidden-state drafter will catch up on
     _skipped_tokens: int
     _catch_up_cap: int
+    _keeping: bool  # whether this K = 0 stretch is still short enough to catch up on
     _suffix_seen: dict[str, int]  # tokens of each request the suffix cache holds
     plain_steps: int
     spec_steps: int
@@ -217,6 +219,7 @@ class PlainStepRunner:
         self._skipped = []
         self._skipped_tokens = 0
         self._catch_up_cap = min(CATCH_UP_TOKENS, self.scheduler_config.max_num_batched_tokens)
+        self._keeping = True
         self._suffix_seen = {}
         self.plain_steps = 0
         self.spec_steps = 0
@@ -255,11 +258,12 @@ class PlainStepRunner:
     def sample_tokens(self: Any, grammar_output: Any) -> Any:
         if not self._plain_now:
             self.spec_steps += 1
+            self._keeping = True  # a new K = 0 stretch may be caught up on
             return super().sample_tokens(grammar_output)  # type: ignore[misc]
         self._plain_now = False
         self.plain_steps += 1
         if self._stateful_drafter():
-            if self._catches_up():
+            if self._keeping and self._catches_up():
                 self._keep_skipped()  # before vLLM's sampling consumes the step's state
             else:
                 self._stale.update(self.input_batch.req_ids)
@@ -312,8 +316,11 @@ class PlainStepRunner:
 
     def _keep_skipped(self: Any) -> None:
         """Keep what this plain step ran for the drafter to catch up on (references to the step's hidden
-        states and a copy of its requests' positions; the per-request work waits for the catch-up). Where
-        the kept steps exceed CATCH_UP_TOKENS positions the oldest go, and their requests become stale."""
+        states and a copy of its requests' positions; the per-request work waits for the catch-up). A
+        stretch of plain steps longer than CATCH_UP_TOKENS positions is not caught up on: its requests
+        become stale and nothing more is kept until speculation resumes (holding every step's outputs
+        through a long stretch slowed plain steps by about 3 % on the tiny model: the allocator could not
+        reuse their memory)."""
         state = self.execute_model_state
         out = state.scheduler_output
         n = out.total_num_scheduled_tokens
@@ -332,10 +339,9 @@ class PlainStepRunner:
             )
         )
         self._skipped_tokens += n
-        while self._skipped_tokens > self._catch_up_cap:
-            dropped = self._skipped.pop(0)
-            self._skipped_tokens -= dropped.tokens
-            self._stale.update(r for r in dropped.req_ids if dropped.scheduled.get(r, 0))
+        if self._skipped_tokens > self._catch_up_cap:  # a long stretch: it stays off, stale and cheap
+            self._stale.update(r for step in self._skipped for r in step.req_ids)
+            self._skipped, self._skipped_tokens, self._keeping = [], 0, False
 
     def _catch_up(self: Any, cad: Any, sampling_metadata: Any) -> None:
         """Run the drafter's KV-filling pass over the kept positions of the requests in this step, before
