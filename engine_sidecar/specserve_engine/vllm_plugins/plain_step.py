@@ -340,7 +340,7 @@ class PlainStepRunner:
         )
         self._skipped_tokens += n
         if self._skipped_tokens > self._catch_up_cap:  # a long stretch: it stays off, stale and cheap
-            self._stale.update(r for step in self._skipped for r in step.req_ids)
+            self._stale.update(r for step in self._skipped for r in step.req_ids if r in self.requests)
             self._skipped, self._skipped_tokens, self._keeping = [], 0, False
 
     def _catch_up(self: Any, cad: Any, sampling_metadata: Any) -> None:
@@ -351,7 +351,7 @@ class PlainStepRunner:
         batch = self.input_batch
         skipped, broken = skipped_by_request(self._skipped)
         self._skipped, self._skipped_tokens = [], 0
-        self._stale.update(broken)
+        self._stale.update(r for r in broken if r in self.requests)
         rows: list[int] = []
         entries: list[Skipped] = []
         for i, req_id in enumerate(batch.req_ids):
@@ -363,7 +363,7 @@ class PlainStepRunner:
                 entries.append(entry)
             else:
                 self._stale.add(req_id)
-        self._stale.update(skipped)  # kept, but not in this step
+        self._stale.update(r for r in skipped if r in self.requests)  # kept, unfinished, not in this step
         if not entries:
             return
         pairs = list(zip(rows, entries, strict=True))
