@@ -318,9 +318,8 @@ class PlainStepRunner:
         """Keep what this plain step ran for the drafter to catch up on (references to the step's hidden
         states and a copy of its requests' positions; the per-request work waits for the catch-up). A
         stretch of plain steps longer than CATCH_UP_TOKENS positions is not caught up on: its requests
-        become stale and nothing more is kept until speculation resumes (holding every step's outputs
-        through a long stretch slowed plain steps by about 3 % on the tiny model: the allocator could not
-        reuse their memory)."""
+        become stale and nothing more is kept until speculation resumes (a version that kept the latest
+        positions through a long stretch measured 0.96-0.97 of a stock engine at batch 1 and 4)."""
         state = self.execute_model_state
         out = state.scheduler_output
         n = out.total_num_scheduled_tokens
