@@ -144,15 +144,16 @@ def reference(texts: list[str], tmp_path_factory: pytest.TempPathFactory) -> lis
     return stock.complete(texts)
 
 
-def _count_calls(obj: Any, name: str) -> list[int]:
-    calls: list[int] = []
+def _record_calls(obj: Any, name: str) -> list[dict[str, Any]]:
+    """The keyword arguments of every call of `obj.name` from now on."""
+    calls: list[dict[str, Any]] = []
     original = getattr(obj, name)
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
         return original(*args, **kwargs)
 
-    setattr(obj, name, counted)
+    setattr(obj, name, recorded)
     return calls
 
 
@@ -194,19 +195,6 @@ class RecordedDrafts:
         return accepted / max(drafted, 1)
 
 
-def _record_k(drafter: Any) -> list[int]:
-    """The K of every drafter pass (`propose` call) from now on."""
-    ks: list[int] = []
-    original = drafter.propose
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        ks.append(kwargs["num_speculative_tokens"])
-        return original(*args, **kwargs)
-
-    drafter.propose = recorded
-    return ks
-
-
 # The EAGLE-3 engines first: vLLM scans every loaded module for Triton kernels when it starts one, and
 # trips over an object the n-gram drafter's numba brings in (separate processes in a pod never share one).
 @pytest.mark.parametrize("head", ["tiny-eagle3", "tiny-mtp"])  # the target's layers' states; its last
@@ -231,17 +219,18 @@ def test_a_hidden_state_drafter_catches_up_on_the_steps_it_skipped(
     engine.policy(1, MAX_K)
     drafting = engine.add(texts[:3])
     engine.run(steps=3)  # prefill and two speculative steps
-    passes = _record_k(runner.drafter)
+    passes = _record_calls(runner.drafter, "propose")
     engine.policy(2, 0)  # the next step verifies its drafts and proposes none; then plain steps
     admitted = engine.add(texts[3:])  # prefilled in a plain step
     engine.run(steps=5)
     # The step that verified the last drafts ran the drafter's K = 0 pass over them; plain steps, nothing.
-    assert passes == [0] and runner.plain_steps >= 3
+    assert [p["num_speculative_tokens"] for p in passes] == [0] and runner.plain_steps >= 3
     kept, gaps = plain_step.skipped_by_request(runner._skipped)
     assert set(kept) == set(runner.input_batch.req_ids) and not gaps and not runner._stale
     engine.policy(3, MAX_K)
     engine.run(steps=1)
-    assert passes == [0, 0, MAX_K]  # the catch-up pass over the kept positions, then drafting
+    # The catch-up pass over the kept positions, then drafting.
+    assert [p["num_speculative_tokens"] for p in passes] == [0, 0, MAX_K]
     done = engine.run()
     assert [done[i] for i in drafting + admitted] == expected
     assert not runner._stale and not runner._skipped
@@ -265,7 +254,7 @@ def test_a_request_whose_skipped_positions_do_not_fit_gets_no_drafts(
     assert not runner._keeping and not runner._skipped  # a stretch too long: nothing more is kept
     engine.policy(2, MAX_K)
     # Speculation on, stale requests alone: their drafts would be dropped, so their steps run plain.
-    proposals = _count_calls(runner.drafter, "propose")
+    proposals = _record_calls(runner.drafter, "propose")
     plain_steps, spec_steps = runner.plain_steps, runner.spec_steps
     done = engine.run(steps=4)
     assert (proposals, runner.spec_steps) == ([], spec_steps) and runner.plain_steps == plain_steps + 4
@@ -282,8 +271,8 @@ def test_k0_steps_are_plain_and_output_is_unchanged(
     engine = InProcessEngine(NGRAM, tmp_path)
     runner = engine.runner
     assert isinstance(runner, PlainStepRunner)
-    proposals = _count_calls(runner.drafter, "propose")
-    rejection_samples = _count_calls(runner, "rejection_sampler")
+    proposals = _record_calls(runner.drafter, "propose")
+    rejection_samples = _record_calls(runner, "rejection_sampler")
     engine.policy(1, 0)
     assert engine.complete(texts) == reference
     assert (proposals, rejection_samples, runner.spec_steps) == ([], [], 0)

@@ -20,6 +20,7 @@ from specserve_engine.processes import (
     GroupProcess,
     ServiceProcess,
     ServiceStartError,
+    _group_members,
     group_alive,
     group_rss_bytes,
     pin_group,
@@ -63,7 +64,7 @@ def test_pin_group_moves_every_process_and_thread_of_the_group(tmp_path: Path) -
     ours = os.sched_getaffinity(0)
     try:
         assert proc.pid is not None
-        members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgrp(p) == proc.pid]
+        members = [entry for entry, _ in _group_members(proc.pid)]
         assert len(members) >= 2
         core = max(ours)
         pin_group(proc.pid, {core})
@@ -73,14 +74,6 @@ def test_pin_group_moves_every_process_and_thread_of_the_group(tmp_path: Path) -
         assert os.sched_getaffinity(0) == ours  # only the group moved
     finally:
         proc.stop(grace_s=0.5)
-
-
-def _pgrp(proc_entry: Path) -> int | None:
-    try:
-        stat = (proc_entry / "stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rfind(")") + 2 :].split()[2])
 
 
 def test_stop_is_quick_for_a_well_behaved_child(tmp_path: Path) -> None:

@@ -208,6 +208,7 @@ class PlainStepRunner:
     _skipped_tokens: int
     _catch_up_cap: int
     _keeping: bool  # whether this K = 0 stretch is still short enough to catch up on
+    _catches_up: bool  # whether the drafter has a KV cache it fills from what a plain step can keep
     _suffix_seen: dict[str, int]  # tokens of each request the suffix cache holds
     plain_steps: int
     spec_steps: int
@@ -220,22 +221,21 @@ class PlainStepRunner:
         self._skipped_tokens = 0
         self._catch_up_cap = min(CATCH_UP_TOKENS, self.scheduler_config.max_num_batched_tokens)
         self._keeping = True
+        # The drafter's KV-filling pass takes the target's tokens, positions and hidden states: EAGLE,
+        # EAGLE-3, MTP; not the draft model (extra input slots), not M-RoPE positions.
+        drafter = self.drafter
+        self._catches_up = bool(
+            self._stateful_drafter()
+            and getattr(drafter, "pass_hidden_states_to_model", False)
+            and not getattr(drafter, "needs_extra_input_slots", True)
+            and not self.uses_mrope
+        )
         self._suffix_seen = {}
         self.plain_steps = 0
         self.spec_steps = 0
 
     def _stateful_drafter(self: Any) -> bool:
         return bool(self._spec_config.uses_draft_kv_cache())
-
-    def _catches_up(self: Any) -> bool:
-        """Whether the drafter's KV-filling pass takes what a plain step can keep: the target's tokens,
-        positions and hidden states (EAGLE, EAGLE-3, MTP; not the draft model, not M-RoPE positions)."""
-        drafter = self.drafter
-        return (
-            getattr(drafter, "pass_hidden_states_to_model", False)
-            and not getattr(drafter, "needs_extra_input_slots", True)
-            and not self.uses_mrope
-        )
 
     def execute_model(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         for req_id in scheduler_output.finished_req_ids:
@@ -263,7 +263,7 @@ class PlainStepRunner:
         self._plain_now = False
         self.plain_steps += 1
         if self._stateful_drafter():
-            if self._keeping and self._catches_up():
+            if self._keeping and self._catches_up:
                 self._keep_skipped()  # before vLLM's sampling consumes the step's state
             else:
                 self._stale.update(self.input_batch.req_ids)
@@ -279,7 +279,7 @@ class PlainStepRunner:
         k = scheduler_output.num_spec_tokens_to_schedule
         batch = self.input_batch
         if k == 0:  # drafts verified in this step, none wanted for the next
-            if self._stateful_drafter() and self._catches_up():
+            if self._catches_up:
                 # vLLM's K = 0 pass: the drafter's cache takes the positions this step verified.
                 return super().propose_draft_token_ids(  # type: ignore[misc]
                     scheduler_output, sampled_token_ids, *args, **kwargs
@@ -442,7 +442,7 @@ def adopt_runner(runner: Any) -> Any:
         raise UnsupportedRunner(f"vLLM's model runner lacks {', '.join(missing)}")
     runner.__class__ = type(f"PlainStep{base.__name__}", (PlainStepRunner, base), {})
     runner.adopt()
-    if runner._stateful_drafter() and runner._catches_up():
+    if runner._catches_up:
         check_catch_up(type(runner.drafter))
     return runner
 
