@@ -10,12 +10,18 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve_engine.buckets import DEFAULT_BUCKETS, INF, bucket_for
 
 POLICY_FILE_NAME = "policy.json"
+# How often an engine looks at the policy file. Its scheduler and stat logger ask every step, and a stat()
+# there cost 150 µs a step on this CPU where the engine's processes share a core (the system call lets
+# the spinning worker run): 4 % of the engine core's time at batch 1 (docs/engine-pod.md#off-costs-nothing).
+# Policies change every few seconds at most; 50 ms more before one applies is within its switch latency.
+POLICY_RECHECK_S = 0.05
 RUNTIME_DIR_ENV = "SPECSERVE_RUNTIME_DIR"
 
 
@@ -85,13 +91,20 @@ def write_policy(policy: PodPolicy, runtime_dir: str | os.PathLike[str] | None =
 
 @dataclass
 class PolicyReader:
-    """Reads the policy file, re-parsing only when it changed; keeps the last good policy on a bad file."""
+    """Reads the policy file at most every `recheck_s`, re-parsing only when it changed; keeps the last good
+    policy on a bad file."""
 
     path: Path
+    recheck_s: float = POLICY_RECHECK_S
+    _checked: float | None = None  # time.monotonic() of the last look at the file
     _stamp: tuple[int, int] = (-1, -1)  # (inode, mtime): every atomic replace makes a new inode
     _policy: PodPolicy | None = field(default=None, repr=False)
 
     def current(self) -> PodPolicy | None:
+        now = time.monotonic()
+        if self._checked is not None and now - self._checked < self.recheck_s:
+            return self._policy
+        self._checked = now
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -102,5 +115,5 @@ class PolicyReader:
                 self._policy = PodPolicy.from_json(json.loads(self.path.read_text()))
                 self._stamp = stamp
             except (OSError, ValueError, KeyError, TypeError):
-                pass  # a torn or bad file: keep the last good policy, retry next step
+                pass  # a torn or bad file: keep the last good policy, retry at the next look
         return self._policy

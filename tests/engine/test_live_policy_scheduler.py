@@ -4,6 +4,7 @@ asynchronous) keeps its behaviour, and the policy file sets the K the step draft
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.launch import EngineSpec
-from specserve_engine.policy_file import PodPolicy, write_policy
+from specserve_engine.policy_file import POLICY_RECHECK_S, PodPolicy, write_policy
 from specserve_engine.vllm_plugins.live_policy import AsyncLivePolicyScheduler, LivePolicyScheduler
 from specserve_testing.engines import MAX_K, NGRAM, TARGET, in_process_engine_args
 
@@ -74,6 +75,7 @@ def test_the_scheduler_vllm_would_pick_with_the_live_table(tmp_path: Path, async
 
     def k_after(policy: PodPolicy) -> int:
         write_policy(policy, tmp_path)
+        time.sleep(POLICY_RECHECK_S)  # the scheduler looks at the file at most this often
         scheduler.add_request(_request(policy.policy_version))
         return scheduler.schedule().num_spec_tokens_to_schedule
 

@@ -3,12 +3,15 @@ observation the stat logger records."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 from vllm.v1.metrics.stats import IterationStats, SchedulerIterationDetails, SchedulerStats
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-from specserve_engine.policy_file import PodPolicy
+from specserve_engine.buckets import bucket_labels
+from specserve_engine.policy_file import PodPolicy, PolicyReader, policy_path, write_policy
 from specserve_engine.vllm_plugins.live_policy import lookup_for_policy
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
 from specserve_engine.vllm_plugins.stat_logger import observe_step
@@ -100,3 +103,32 @@ def test_messages_that_are_not_steps_are_ignored() -> None:
     assert observe_step(None, None, BOUNDS) is None
     assert observe_step(SchedulerStats(), _iteration(1), BOUNDS) is None  # no iteration details
     assert observe_step(SchedulerStats(iteration_details=_details(1, 0, dummy=True)), None, BOUNDS) is None
+
+
+def test_the_policy_file_is_looked_at_once_per_recheck_interval(tmp_path: Path, monkeypatch) -> None:
+    """The scheduler and stat logger ask every step; the file is stat()ed at most every recheck_s (a
+    system call per step cost 4 % of a step where the engine's processes share a core), a changed file is
+    picked up at the next look, and a bad one keeps the last good policy."""
+    clock = [100.0]
+    monkeypatch.setattr("specserve_engine.policy_file.time.monotonic", lambda: clock[0])
+    stats = []
+    real_stat = os.stat
+
+    def counted_stat(path, *args, **kwargs):  # os.stat is global: count the policy file's only
+        if path == policy_path(tmp_path):
+            stats.append(path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counted_stat)
+    labels = bucket_labels(BOUNDS)
+    write_policy(PodPolicy(1, "d", "on", dict.fromkeys(labels, 2), BOUNDS), tmp_path)
+    reader = PolicyReader(policy_path(tmp_path), recheck_s=0.05)
+    assert reader.current().policy_version == 1 and len(stats) == 1
+    write_policy(PodPolicy(2, "d", "on", dict.fromkeys(labels, 3), BOUNDS), tmp_path)
+    clock[0] += 0.04
+    assert reader.current().policy_version == 1 and len(stats) == 1  # within the interval: no look
+    clock[0] += 0.02
+    assert reader.current().policy_version == 2 and len(stats) == 2
+    policy_path(tmp_path).write_text("{not json")
+    clock[0] += 0.06
+    assert reader.current().policy_version == 2 and len(stats) == 3  # bad file: the last good stands
