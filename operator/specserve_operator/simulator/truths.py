@@ -348,6 +348,16 @@ def logit_tilt(u: np.ndarray, shift: np.ndarray | float) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-(np.log(u / (1 - u)) + shift)))
 
 
+def class_mean_tokens(library: AcceptanceLibrary, shift: np.ndarray) -> np.ndarray:
+    """Tokens per step [K+1, nd, 2] expected of a request of each domain drawn at logit shift
+    `shift[dom]` (as the simulator draws them): the sequences' means weighted by the chance of drawing
+    each, P(q) = tilt((q+1)/Q, -s) - tilt(q/Q, -s)."""
+    q = library.sequences
+    cdf = logit_tilt(np.arange(q + 1)[None, :] / q, -np.asarray(shift, dtype=float)[:, None])
+    cdf[:, 0], cdf[:, -1] = 0.0, 1.0
+    return np.einsum("kdcq,cq->kdc", library.mean_tokens, np.diff(cdf, axis=1))
+
+
 def drift(t: float, amplitude: float, periods_h: tuple[float, float]) -> np.ndarray:
     """Per domain, the logit shift of the sequences drawn at time t: slow, out of phase between domains."""
     return np.array(
