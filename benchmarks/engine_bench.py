@@ -631,27 +631,37 @@ async def run_overhead(workdir: Path, rounds: int = OVERHEAD_ROUNDS, only: tuple
     return results
 
 
-async def run_resume(workdir: Path, stretch_s: float, cycles: int) -> dict:
-    """resume_mal_ratio of the stateful drafters: the sidecar's draft model, self-speculation and suffix;
-    vLLM's EAGLE-3 colocated; one engine at a time."""
+RESUME_HOSTED = ("tiny-draft", "self", "suffix")
+RESUME_COLOCATED = {"eagle3 (colocated)": "tiny-eagle3", "mtp (colocated)": "tiny-mtp"}
+
+
+async def run_resume(workdir: Path, stretch_s: float, cycles: int, only: tuple[str, ...] = ()) -> dict:
+    """resume_mal_ratio of the stateful drafters (those named in `only`, else all): the sidecar's draft
+    model, self-speculation and suffix; vLLM's EAGLE-3 and MTP colocated; one engine at a time."""
     workdir.mkdir(parents=True, exist_ok=True)
     runtime = workdir / "sidecar-pod"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
-    eagle3 = HEADS["tiny-eagle3"]
     results: dict = {}
     hosted = engine_spec(workdir, "sidecar", ENGINE_DRAFTER, env={DEADLINE_ENV: "250"}, runtime_dir=runtime)
-    colocated = engine_spec(workdir, "colocated-eagle3", eagle3, model=target_of(eagle3))
+    engines: list[tuple[EngineSpec, tuple[str, ...]]] = [(hosted, RESUME_HOSTED)]
+    for name, head in RESUME_COLOCATED.items():
+        drafter = HEADS[head]
+        spec = engine_spec(workdir, f"colocated-{head}", drafter, model=target_of(drafter))
+        engines.append((spec, (name,)))
     (resume_prompt, *_) = prompts("code")
     try:
         sidecar.wait_ready()
-        for spec in (hosted, colocated):
+        for spec, names in engines:
+            names = tuple(n for n in names if not only or n in only)
+            if not names:
+                continue
             engine = start_engines([spec], workdir / "logs", timeout_s=1200)[0]
             try:
                 if spec is hosted:
                     pod = Pod(engine, sidecar)
-                    setters = {n: _sidecar_setter(pod, n) for n in ("tiny-draft", "self", "suffix")}
+                    setters = {n: _sidecar_setter(pod, n) for n in names}
                 else:
-                    setters = {"eagle3 (colocated)": _policy_file_setter(engine, eagle3.name)}
+                    setters = {names[0]: _policy_file_setter(engine, spec.drafter.name)}
                 for name, setter in setters.items():
                     results[name] = await resume_mal(engine, setter, resume_prompt, stretch_s, cycles)
                     print(f"resume {name}: {results[name]}", file=sys.stderr)
@@ -1002,8 +1012,9 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default="",
-        help="overhead: measure only these candidates (comma-separated, e.g. sidecar-off) and replace "
-        "their figures in the results, keeping the others'",
+        help="overhead: measure only these candidates (comma-separated, e.g. sidecar-off); resume: only "
+        "these drafters (e.g. 'mtp (colocated)'), without the boundary; their figures replace theirs in "
+        "the results, the others' stay",
     )
     parser.add_argument(
         "--stretch", type=float, default=RESUME_STRETCH_S, help="seconds of K = 0 before resuming"
@@ -1055,12 +1066,16 @@ def main() -> None:
         print(overhead_table(measured))
         print(f"\nwrote {out}, its plots and {overhead_plot}")
     if args.phase in ("all", "resume", "boundary"):
+        only = tuple(n for n in args.only.split(",") if n) if args.phase == "resume" else ()
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
             measured = {}
             if args.phase != "boundary":
-                measured |= asyncio.run(run_resume(Path(tmp) / "resume", args.stretch, args.cycles))
-            measured |= asyncio.run(run_boundary(Path(tmp) / "boundary"))
+                measured |= asyncio.run(run_resume(Path(tmp) / "resume", args.stretch, args.cycles, only))
+            if not only:
+                measured |= asyncio.run(run_boundary(Path(tmp) / "boundary"))
         results = json.loads(out.read_text()) if out.exists() else {}
+        if only:
+            measured["resume_mal_ratio"] = results.get("resume_mal_ratio", {}) | measured["resume_mal_ratio"]
         results.update(measured)
         out.write_text(json.dumps(results, indent=2) + "\n")
         print(resume_table(results))

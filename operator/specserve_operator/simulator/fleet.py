@@ -143,7 +143,7 @@ def measured_cpu_config(path: str | Path | None = None, **overrides: object) -> 
         "prompt_mean": (40.0, 40.0),
         # Eight times the tokens the tiny engines' requests had: at 2.5-4 ms a step those took under half a
         # second, less than a quantum, and a finished request holds its slot to the end of its quantum,
-        # which made the batch three times what the arrivals explain. These span several quanta.
+        # which made the batch several times what the arrivals explain. These span several quanta.
         "output_mean": (960.0, 1280.0),
         "quantum_s": 1.0,
     }
