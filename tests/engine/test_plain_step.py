@@ -7,6 +7,7 @@ cannot does not draft for those requests."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from specserve_engine.api import SidecarDrafter
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.launch import EngineSpec
-from specserve_engine.policy_file import PodPolicy, write_policy
+from specserve_engine.policy_file import POLICY_RECHECK_S, PodPolicy, write_policy
 from specserve_engine.vllm_plugins import plain_step
 from specserve_engine.vllm_plugins.plain_step import (
     PlainStepExecutor,
@@ -96,6 +97,7 @@ class InProcessEngine:
             PodPolicy(version, self.drafter.name, "on", {b: k for b in bucket_labels(BUCKETS)}, BUCKETS),
             self.runtime_dir,
         )
+        time.sleep(POLICY_RECHECK_S)  # the engine looks at the file at most this often
 
     def add(self, texts: list[str]) -> list[str]:
         from vllm import SamplingParams

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve_engine.api import SidecarDrafter
 from specserve_engine.buckets import DEFAULT_BUCKETS, bucket_labels
 from specserve_engine.launch import EngineProcess, EngineSpec, start_engines
-from specserve_engine.policy_file import PodPolicy, write_policy
+from specserve_engine.policy_file import POLICY_RECHECK_S, PodPolicy, write_policy
 from specserve_engine.vllm_plugins.live_policy import STEP_TRACE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +108,10 @@ class RunningEngine:
         )
 
     def set_policy(self, policy: PodPolicy) -> None:
+        """Write the pod's policy; it is in force for every step that starts after this returns (the
+        engine looks at the file at most every POLICY_RECHECK_S)."""
         write_policy(policy, self.runtime_dir)
+        time.sleep(POLICY_RECHECK_S)
 
     def reset_policy(self) -> None:
         """Back to the start-up behaviour: K = the drafter's maximum in every bucket."""

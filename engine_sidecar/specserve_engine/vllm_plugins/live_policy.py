@@ -2,10 +2,11 @@
 
 vLLM 0.32 fixes its dynamic-SD table (`num_speculative_tokens_per_batch_size`) at start-up and offers no
 API to change it. `LivePolicyScheduler` (passed as `--scheduler-cls`, see engine_args.py) subclasses the
-V1 scheduler: at the start of every `schedule()` it stats `policy.json` in the runtime dir (written
-atomically by the sidecar) and, when the file changed, rebuilds `dynamic_sd_lookup` from it with vLLM's
-own builder. The scheduler runs in the engine-core process between steps, so a new table takes effect
-at the next step; K is capped at the start-up `num_speculative_tokens` (a larger K needs a restart).
+V1 scheduler: at the start of `schedule()`, at most every `POLICY_RECHECK_S` (50 ms), it stats
+`policy.json` in the runtime dir (written atomically by the sidecar) and, when the file changed, rebuilds
+`dynamic_sd_lookup` from it with vLLM's own builder. The scheduler runs in the engine-core process
+between steps, so a new table takes effect at the first step that starts 50 ms after the file was
+written, or sooner; K is capped at the start-up `num_speculative_tokens` (a larger K needs a restart).
 
 vLLM picks `AsyncScheduler` where it schedules asynchronously (on GPUs it overlaps scheduling the next step
 with running this one) but takes a `--scheduler-cls` as it is, and a subclass of the synchronous
