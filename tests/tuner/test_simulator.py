@@ -178,13 +178,14 @@ def test_class_mean_tokens_is_the_mean_of_the_sequences_drawn() -> None:
     assert (expected[3, :, 0] > truths.class_mean_tokens(lib, np.zeros(2))[3, :, 0]).all()
 
 
-def test_the_clairvoyant_bounds_the_oracle(tmp_path: Path) -> None:
-    """Knowing each request's luck as well as its domain can only help: the clairvoyant is at least as
-    fast as the oracle, and both beat plain decoding at low load."""
+def test_the_oracle_is_close_to_the_clairvoyant(tmp_path: Path) -> None:
+    """At low load on the gpu truth both speculate and more than halve plain decoding's TPOT; knowing each
+    request's luck as well as its domain helps the clairvoyant, but by little (the benchmark finds 1 %)."""
     trace = _constant(tmp_path, rate=2.0, seconds=600)
     cfg = SimConfig(pods=2, policies=("off", "oracle", "clairvoyant"))
-    s = {name: r.summary(trace.duration_s) for name, r in FleetSim(cfg, trace).run().items()}
-    assert max(s["oracle"]["tpot_mean_ms"], s["clairvoyant"]["tpot_mean_ms"]) < s["off"]["tpot_mean_ms"]
+    s = {name: r.summary(trace.duration_s)["tpot_mean_ms"] for name, r in FleetSim(cfg, trace).run().items()}
+    assert s["clairvoyant"] <= s["oracle"] <= 1.05 * s["clairvoyant"]
+    assert s["oracle"] < 0.5 * s["off"]
 
 
 def _recording(path: Path) -> Path:
