@@ -20,7 +20,8 @@ POLICY_FILE_NAME = "policy.json"
 # How often an engine looks at the policy file. Its scheduler and stat logger ask every step, and a stat()
 # there cost 150 µs a step on this CPU where the engine's processes share a core (the system call lets
 # the spinning worker run): 4 % of the engine core's time at batch 1 (docs/engine-pod.md#off-costs-nothing).
-# Policies change every few seconds at most; 50 ms more before one applies is within its switch latency.
+# Policies change every few seconds at most; 50 ms more before one applies is small against the 1 s
+# switch-latency goal (docs/sidecar.md).
 POLICY_RECHECK_S = 0.05
 RUNTIME_DIR_ENV = "SPECSERVE_RUNTIME_DIR"
 
