@@ -4,7 +4,6 @@ asynchronous) keeps its behaviour, and the policy file sets the K the step draft
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +11,9 @@ import pytest
 
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.launch import EngineSpec
-from specserve_engine.policy_file import POLICY_RECHECK_S, PodPolicy, write_policy
+from specserve_engine.policy_file import PodPolicy
 from specserve_engine.vllm_plugins.live_policy import AsyncLivePolicyScheduler, LivePolicyScheduler
-from specserve_testing.engines import MAX_K, NGRAM, TARGET, in_process_engine_args
+from specserve_testing.engines import MAX_K, NGRAM, TARGET, apply_policy, in_process_engine_args
 
 pytestmark = pytest.mark.engine
 
@@ -74,8 +73,7 @@ def test_the_scheduler_vllm_would_pick_with_the_live_table(tmp_path: Path, async
     assert first.num_spec_tokens_to_schedule == MAX_K  # the start-up table: K everywhere
 
     def k_after(policy: PodPolicy) -> int:
-        write_policy(policy, tmp_path)
-        time.sleep(POLICY_RECHECK_S)  # the scheduler looks at the file at most this often
+        apply_policy(policy, tmp_path)
         scheduler.add_request(_request(policy.policy_version))
         return scheduler.schedule().num_spec_tokens_to_schedule
 

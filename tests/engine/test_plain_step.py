@@ -7,7 +7,6 @@ cannot does not draft for those requests."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 from specserve_engine.api import SidecarDrafter
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.launch import EngineSpec
-from specserve_engine.policy_file import POLICY_RECHECK_S, PodPolicy, write_policy
+from specserve_engine.policy_file import PodPolicy
 from specserve_engine.vllm_plugins import plain_step
 from specserve_engine.vllm_plugins.plain_step import (
     PlainStepExecutor,
@@ -26,7 +25,15 @@ from specserve_engine.vllm_plugins.plain_step import (
     check_catch_up,
     check_runner,
 )
-from specserve_testing.engines import HEADS, MAX_K, NGRAM, in_process_engine_args, prompts, target_of
+from specserve_testing.engines import (
+    HEADS,
+    MAX_K,
+    NGRAM,
+    apply_policy,
+    in_process_engine_args,
+    prompts,
+    target_of,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -93,11 +100,10 @@ class InProcessEngine:
 
     def policy(self, version: int, k: int) -> None:
         assert self.drafter is not None
-        write_policy(
+        apply_policy(
             PodPolicy(version, self.drafter.name, "on", {b: k for b in bucket_labels(BUCKETS)}, BUCKETS),
             self.runtime_dir,
         )
-        time.sleep(POLICY_RECHECK_S)  # the engine looks at the file at most this often
 
     def add(self, texts: list[str]) -> list[str]:
         from vllm import SamplingParams

@@ -86,6 +86,13 @@ def prompts(domain: str) -> list[str]:
     return [json.loads(line)["prompt"] for line in (PROMPTS / f"{domain}.jsonl").read_text().splitlines()]
 
 
+def apply_policy(policy: PodPolicy, runtime_dir: str | os.PathLike[str]) -> None:
+    """Write a pod's policy; it is in force for every step that starts after this returns (an engine
+    looks at the file at most every POLICY_RECHECK_S)."""
+    write_policy(policy, runtime_dir)
+    time.sleep(POLICY_RECHECK_S)
+
+
 @dataclass
 class RunningEngine:
     name: str
@@ -108,10 +115,7 @@ class RunningEngine:
         )
 
     def set_policy(self, policy: PodPolicy) -> None:
-        """Write the pod's policy; it is in force for every step that starts after this returns (the
-        engine looks at the file at most every POLICY_RECHECK_S)."""
-        write_policy(policy, self.runtime_dir)
-        time.sleep(POLICY_RECHECK_S)
+        apply_policy(policy, self.runtime_dir)
 
     def reset_policy(self) -> None:
         """Back to the start-up behaviour: K = the drafter's maximum in every bucket."""
