@@ -13,6 +13,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from specserve_engine.buckets import bucket_labels
 from specserve_engine.policy_file import PodPolicy, PolicyReader, policy_path, write_policy
 from specserve_engine.vllm_plugins.live_policy import lookup_for_policy
+from specserve_engine.vllm_plugins.plain_filled_blocks import PlainFilledBlocks
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
 from specserve_engine.vllm_plugins.stat_logger import observe_step
 
@@ -132,3 +133,31 @@ def test_the_policy_file_is_looked_at_once_per_recheck_interval(tmp_path: Path, 
     policy_path(tmp_path).write_text("{not json")
     clock[0] += 0.06
     assert reader.current().policy_version == 2 and len(stats) == 3  # bad file: the last good stands
+
+
+def _block(block_id: int, block_hash: bytes | None) -> SimpleNamespace:
+    return SimpleNamespace(block_id=block_id, block_hash=block_hash)
+
+
+def test_plain_filled_blocks_are_those_from_a_requests_first_plain_position() -> None:
+    """Blocks of a request from its first plain step on are plain-filled, live or freed; a freed block id
+    that holds other content since (another hash) is not; nor is one that left the prefix cache."""
+    record = PlainFilledBlocks()
+    live = {"a": ([_block(0, b"h0"), _block(1, b"h1"), _block(2, None)],), "b": ([_block(3, b"h3")],)}
+    record.note_plain_step({"a": 4}, {"a": SimpleNamespace(num_computed_tokens=20)})  # positions 16-19
+    record.note_plain_step({"a": 1}, {"a": SimpleNamespace(num_computed_tokens=21)})  # the first one stays
+    assert record.plain_from == {"a": 16}
+
+    def blocks_of(req_id: str) -> tuple[list[SimpleNamespace], ...]:
+        return live[req_id]
+
+    hit = ([_block(0, b"h0"), _block(1, b"h1")],)
+    assert record.in_hit(hit, blocks_of, [16]) == [(1, 1)]  # block 1 holds positions 16-31
+    assert record.in_hit(([_block(3, b"h3")],), blocks_of, [16]) == []  # b ran no plain step
+
+    record.release("a", live.pop("a"), [16])
+    assert record.plain_from == {}
+    assert record.in_hit(hit, blocks_of, [16]) == [(1, 1)]  # freed, still cached
+    assert record.in_hit(([_block(0, b"h0"), _block(1, b"other")],), blocks_of, [16]) == []  # reused
+    record.forget_blocks({1})
+    assert record.in_hit(hit, blocks_of, [16]) == []

@@ -32,13 +32,16 @@ import json
 import os
 from typing import Any
 
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
 from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
+from specserve_engine.vllm_plugins.plain_filled_blocks import PlainFilledBlocks
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
 
 STEP_TRACE_ENV = "SPECSERVE_STEP_TRACE"
@@ -77,12 +80,69 @@ class LivePolicyScheduler(Scheduler):
         self._plugin = SpecservePluginConfig.from_vllm_config(self.vllm_config)
         self._reader = self._plugin.policy_reader()
         self._applied: object | None = None  # the policy object last turned into a table
+        # Only a drafter whose KV lives in the target's blocks can find them half filled by a hit.
+        spec_config = self.vllm_config.speculative_config
+        guarded = (
+            self.cache_config.enable_prefix_caching
+            and self.num_spec_tokens > 0
+            and self.dynamic_sd_lookup is not None
+            and spec_config is not None
+            and spec_config.uses_draft_kv_cache()
+        )
+        self._plain_filled = PlainFilledBlocks() if guarded else None
+        self._group_block_sizes = [g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups]
         trace = os.environ.get(STEP_TRACE_ENV)
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 (lives as long as the engine)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._refresh_table()
-        return super().schedule(*args, **kwargs)
+        if self._plain_filled is None:
+            return super().schedule(*args, **kwargs)
+        for req_id in self._plain_filled.withheld:
+            # Drafts arrive between steps (or as placeholders, scheduling asynchronously): none is scheduled.
+            if (request := self.requests.get(req_id)) is not None:
+                request.spec_token_ids = []
+        output = super().schedule(*args, **kwargs)
+        if output.num_spec_tokens_to_schedule == 0:
+            self._plain_filled.note_plain_step(output.num_scheduled_tokens, self.requests)
+        return output
+
+    def _get_local_prefix_cache_hit(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
+        hit = super()._get_local_prefix_cache_hit(request)
+        blocks, num_hit, _, _ = hit
+        if self._plain_filled is None:
+            return hit
+        # A request looked up again (not scheduled last time, or preempted) holds no blocks: judged afresh.
+        self._plain_filled.forget_request(request.request_id)
+        if num_hit == 0:
+            return hit
+        manager = self.kv_cache_manager
+        plain_filled = self._plain_filled.in_hit(
+            blocks.blocks, lambda req_id: manager.get_blocks(req_id).blocks, self._group_block_sizes
+        )
+        if not plain_filled:
+            return hit
+        first = min(index for index, _ in plain_filled)
+        # Where block sizes differ between groups no one position cuts them all: the whole hit goes.
+        cut = first * self._group_block_sizes[0] if len(self._group_block_sizes) == 1 else 0
+        if not self._drafts_at(len(self.running) + 1):
+            self._plain_filled.withheld.add(request.request_id)
+            self._plain_filled.plain_from[request.request_id] = cut
+            return hit
+        evicted = {block_id for _, block_id in plain_filled}
+        manager.block_pool.evict_blocks(evicted)
+        self._plain_filled.forget_blocks(evicted)
+        return manager.truncate_computed_blocks(blocks, cut), cut, 0, False
+
+    def _drafts_at(self, batch: int) -> bool:
+        assert self.dynamic_sd_lookup is not None
+        return self.dynamic_sd_lookup[min(batch, len(self.dynamic_sd_lookup) - 1)] > 0
+
+    def _free_request_blocks(self, request: Request) -> None:
+        if self._plain_filled is not None:
+            blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks
+            self._plain_filled.release(request.request_id, blocks, self._group_block_sizes)
+        super()._free_request_blocks(request)
 
     def _refresh_table(self) -> None:
         if self.num_spec_tokens == 0 or self.dynamic_sd_lookup is None:
