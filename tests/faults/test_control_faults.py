@@ -190,8 +190,8 @@ async def _dropped_rows(fleet: ff.Fleet, reason: str) -> float:
 
 async def test_prometheus_empty(fleet: ff.Fleet, scenario: ff.Scenario) -> None:
     """Prometheus has nothing on the pods yet (a ServiceMonitor it never picked up): the pods keep the
-    start-up policy (speculation on), the controller says it has no data (condition, Event) and does not
-    turn speculation off; once data arrives it decides and pushes."""
+    start-up policy (plain steps, the initial drafter named), the controller says it has no data
+    (condition, Event) and changes nothing; once data arrives it decides and pushes."""
     await fleet.proxy.set_fault("empty")
     await fleet.start_operator()
     await fleet.create(ff.resource(fleet.proxy.url))
@@ -202,7 +202,7 @@ async def test_prometheus_empty(fleet: ff.Fleet, scenario: ff.Scenario) -> None:
     await ff.wait_for(lambda: fleet.events("NoDecision"), timeout=30)
     await asyncio.sleep(3)  # three more ticks without data
     assert await fleet.states() == startup
-    assert all(s["mode"] == "on" and any(s["kByBucket"].values()) for s in startup)
+    assert all(s["mode"] == "on" and not any(s["kByBucket"].values()) for s in startup)
     assert all(e["type"] == "Warning" for e in fleet.events("NoDecision"))
     status = fleet.status()
     assert not any((status.get("kByBucket") or {}).values()) or status["kByBucket"] == startup[0]["kByBucket"]

@@ -164,15 +164,20 @@ def test_sidecar_hosted_engine_drafter_is_the_one_with_the_largest_k() -> None:
     )
 
 
-def test_initial_policy_follows_mode_and_buckets() -> None:
-    spec = _spec(speculation={"mode": "off", "batchBuckets": [1, 8, 64]})
+@pytest.mark.parametrize(
+    ("mode", "pod_mode", "k"),
+    [("auto", "on", 0), ("advise", "on", 0), ("on", "on", 4), ("off", "off", 0)],
+)
+def test_initial_policy_follows_mode_and_buckets(mode: str, pod_mode: str, k: int) -> None:
+    """Where the controller decides (auto, advise) pods start plain in every bucket, the initial drafter
+    named: the first interval measures the plain step the controller calibrates against. Mode on starts
+    at the drafter's maximum K, as asked; mode off does not speculate."""
+    spec = _spec(speculation={"mode": mode, "batchBuckets": [1, 8, 64]})
     config = SidecarConfig.model_validate_json(_children(spec)["ConfigMap"]["data"][render.CONFIG_FILE])
-    assert config.initial_policy.mode == "off"
-    assert config.initial_policy.k_by_bucket == {"1": 4, "8": 4, "64": 4, "+Inf": 4}
     assert config.bucket_bounds == [1, 8, 64]
-    on = SidecarConfig.model_validate_json(_children(_spec())["ConfigMap"]["data"][render.CONFIG_FILE])
-    assert on.initial_policy.mode == "on"
-    assert on.initial_policy.drafter == "eagle3"
+    policy = config.initial_policy
+    assert (policy.policy_version, policy.drafter, policy.mode) == (0, "eagle3", pod_mode)
+    assert policy.k_by_bucket == {"1": k, "8": k, "64": k, "+Inf": k}
 
 
 def _hash(spec: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ def test_a_new_resource_without_metrics_keeps_the_policy_its_pods_start_with(spe
     d = core.decide(view, nothing, state, core.FleetCosts([view], nothing), 0.0)
     started = initial_policy(spec)
     assert d.action == "noData" and not d.changed
-    # Today the remembered table is all zeros, and pushing it turns speculation off.
+    # What the controller remembers is what the pods were started with (render.initial_policy).
     assert d.k_by_bucket == started.k_by_bucket and d.drafter == started.drafter
     assert all(t.k_by_bucket == started.k_by_bucket and t.mode == started.mode for t in d.pods.values())
     assert not d.push

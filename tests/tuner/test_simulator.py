@@ -367,5 +367,9 @@ def test_shadow_drafts_bring_the_fleet_to_the_drafter_the_traffic_turned_to(
     assert 900 < switches[0][0] <= 900 + 4 * cfg.evaluation_interval_s
     monkeypatch.setattr(fleet, "SHADOW_ROWS", 0)
     blind, s_blind = run()
-    assert not any(d.action == "switchDrafter" for _, d in blind.decisions)
+    # (The pods start plain: without shadow drafts the draft model is not measured before n-gram's first
+    # trial, which beats what the prior predicts for it, so the fleet may try n-gram on the prose until
+    # its MAL falls under the floor. The code phase is what this test is about.)
+    code_phase = [d for t, d in blind.decisions if t >= 900]
+    assert blind.state.drafter == "draft-1b" and not any(d.action == "switchDrafter" for d in code_phase)
     assert s["specserve"]["tpot_mean_ms"] < 0.9 * s_blind["specserve"]["tpot_mean_ms"]

@@ -162,16 +162,23 @@ def sidecar_drafter(drafter: DrafterSpec) -> SidecarDrafter:
 
 
 def initial_policy(spec: SpeculativeServingSpec) -> PolicyRequest:
-    """The policy each pod starts with, before the controller's first decision: speculate with the
-    initial drafter at its maximum K in every bucket (mode on and auto), or not at all (mode off)."""
+    """The policy each pod starts with (and a restarted sidecar returns to), before the controller's
+    first decision reaches it. The one source of what pods start with: the controller's remembered state
+    (tuner.core.ResourceState.initial) and the fleet simulator start from it too.
+
+    mode on: the initial drafter at its maximum K in every bucket, as asked. mode off: no speculation.
+    auto and advise: plain steps (K = 0) in every bucket, the initial drafter named, so that the first
+    interval measures the plain step time the controller calibrates speculative steps against; it turns
+    speculation on where that calibration says it pays (docs/policy.md, "Cold start")."""
     drafter = spec.initial_drafter
     if drafter is None:
         raise ValueError("drafters: a resource without drafters has no policy")
-    k = drafter.max_speculative_tokens
+    mode = spec.speculation.mode
+    k = drafter.max_speculative_tokens if mode == "on" else 0
     return PolicyRequest(
         policyVersion=0,
         drafter=drafter.name,
-        mode="off" if spec.speculation.mode == "off" else "on",
+        mode="off" if mode == "off" else "on",
         kByBucket={label: k for label in bucket_labels(spec.speculation.batch_buckets)},
     )
 

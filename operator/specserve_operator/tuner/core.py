@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from specserve_engine.buckets import bucket_for, bucket_labels
 from specserve_operator.api.models import DrafterSpec, SpeculationSpec, SpeculativeServingSpec
+from specserve_operator.render.children import initial_policy, with_active_drafter
 from specserve_operator.tuner import policy
 from specserve_operator.tuner.costmodel import StepCostPrior, drafter_cost, gpu_spec, known_gpu, model_shape
 from specserve_operator.tuner.observations import BucketStats, FleetSnapshot, PodObservation, stats_of
@@ -150,10 +151,11 @@ class ResourceState:
         k_status = status.get("kByBucket")
         if k_status:
             k_by_bucket = {label: int(k_status.get(label, 0)) for label in labels}
+        elif drafter:
+            # Nothing pushed yet: the pods run the policy they were rendered with.
+            k_by_bucket = dict(initial_policy(with_active_drafter(spec, drafter)).k_by_bucket)
         else:
-            # Nothing pushed yet: the pods run the policy they start with (render.initial_policy).
-            start_k = spec.drafter(drafter).max_speculative_tokens if drafter else 0
-            k_by_bucket = {label: 0 if spec.speculation.mode == "off" else start_k for label in labels}
+            k_by_bucket = dict.fromkeys(labels, 0)
         return cls(
             drafter=drafter,
             k_by_bucket=k_by_bucket,
