@@ -78,3 +78,40 @@ def test_the_first_decision_measures_before_it_speculates_fleet_wide(
     d = _decide(view, core.ResourceState.initial(no_canaries), rows, 30.0)
     assert d.action == "enable" and d.k_by_bucket["4"] > 0, d.reason
     assert all(t.k_by_bucket == d.k_by_bucket for t in d.pods.values())
+
+
+def test_a_drafter_in_force_never_measured_stands_at_its_prior_against_a_trial(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """A trial measured n-gram on one pod; the draft model in force has run plain since the pods started.
+    It stands at what the prior predicts for it, not at plain decoding: n-gram's measurement must beat
+    that to be switched to, and the draft model is turned on to be measured."""
+    spec = spec_factory()
+    view = core.ResourceView(NS, "llm", spec, PODS)
+    draft, ngram = view.prior(spec.drafters[0]), view.prior(spec.drafters[1])
+    trial = {
+        label: bucket_load(
+            batch=batch,
+            steps_plain=500,
+            step_s_plain=draft.step_s(batch, 0),
+            steps_spec=1000,
+            step_s_spec=ngram.step_s(batch, 3),
+            k=3,
+        )
+        for label, batch in BUCKETS
+    }
+    rows = rows_for(NS, "pod-a", "ngram", trial, alphas=(0.4,) * 8)
+    rows += rows_for(NS, "pod-b", "draft", _plain(bucket_load, draft))
+    state = core.ResourceState.initial(spec)
+    d = _decide(view, state, rows, 30.0)
+    assert d.scores["ngram"] > 1.05 and "draft" not in d.scores  # n-gram beats plain decoding...
+    assert d.drafter == "draft" and d.action == "enable", d.reason  # ...not the draft model's prior
+    assert "draft" not in state.last_score  # a prediction, not a measurement
+
+
+def test_the_standing_of_a_drafter_in_force_without_a_score() -> None:
+    names = ["a", "b"]
+    assert core.better_drafter("a", names, {"b": 1.3}, {}, {}, cooled_down=True) == "b"  # plain: 1.0
+    assert core.better_drafter("a", names, {"b": 1.3}, {}, {}, cooled_down=True, never_measured=1.5) is None
+    # A score, measured now or before, outranks the prediction.
+    assert core.better_drafter("a", names, {"b": 1.3}, {"a": 1.1}, {}, True, never_measured=1.5) == "b"

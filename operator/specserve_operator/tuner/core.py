@@ -462,17 +462,20 @@ def drafter_scores(
     accs: Mapping[str, policy.Acceptance],
     costs: FleetCosts,
     observations: list[PodObservation],
+    names: Iterable[str] | None = None,
 ) -> dict[str, float]:
-    """Predicted goodput of every drafter measured now, on the resource's batch mix (steps per bucket)."""
+    """Predicted goodput on the resource's batch mix (steps per bucket) of every drafter measured now, or
+    of the drafters `names`, whatever their acceptance rests on."""
     weights: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
             weights[label] = weights.get(label, 0.0) + s.steps_plain + s.steps_spec
     bounds = tuple(view.spec.speculation.batch_buckets)
+    wanted = set(names) if names is not None else {n for n, a in accs.items() if a.source in MEASURED_NOW}
     return {
         name: policy.drafter_score(accs[name], costs.cost(view, d), bounds, d.max_speculative_tokens, weights)
         for name, d in {d.name: d for d in view.spec.drafters}.items()
-        if accs[name].source in MEASURED_NOW
+        if name in wanted
     }
 
 
@@ -562,13 +565,15 @@ def better_drafter(
     last_score: Mapping[str, float],
     demoted: Mapping[str, float],
     cooled_down: bool,
+    never_measured: float = 1.0,
 ) -> str | None:
     """The drafter to run instead of `current`, or None to keep it. The best measured one, by
     SWITCH_MARGIN over the one in force, once the last switch has cooled down; never a demoted one. The
     one in force, not measured now (every bucket off, so no live drafts), counts at its last score, else
-    as plain decoding (1.0): a trial's measurement alone must not win against a drafter that merely sat
-    out. A demoted drafter in force gives way at once, to the best measured one or else the best
-    remembered one (`last_score`)."""
+    at `never_measured`: a trial's measurement alone must not win against a drafter that merely sat out
+    (plain decoding, 1.0, once its buckets were turned off) or has not had its turn yet (its predicted
+    score, while the pods have run plain since they started). A demoted drafter in force gives way at
+    once, to the best measured one or else the best remembered one (`last_score`)."""
     eligible = {n: s for n, s in scores.items() if n not in demoted}
     if current in demoted:
         remembered = {n: last_score.get(n, 0.0) for n in candidates if n not in demoted}
@@ -576,7 +581,9 @@ def better_drafter(
         return max(pool, key=lambda n: pool[n]) if pool else None
     if eligible and cooled_down:
         best = max(eligible, key=lambda n: eligible[n])
-        if eligible[best] >= scores.get(current, last_score.get(current, 1.0)) * (1 + SWITCH_MARGIN):
+        if eligible[best] >= scores.get(current, last_score.get(current, never_measured)) * (
+            1 + SWITCH_MARGIN
+        ):
             return best
     return None
 
@@ -796,10 +803,19 @@ def decide(
     state.last_score.update(scores)
     notes = demoted.notes + demoted.reinstated
     cooled_down = now - state.last_switch_at >= view.spec.speculation.cooldown_seconds
-    best = better_drafter(state.drafter, drafters, scores, state.last_score, state.demoted, cooled_down)
+    never_measured = 1.0
+    if state.drafter not in state.last_score:
+        # Never measured: the pods have run plain since they started (docs/policy.md, "Cold start"). Until
+        # it is measured, the drafter in force stands at what the prior predicts for it on the calibrated
+        # step times, not at plain decoding, which any drafter a trial measured would beat.
+        never_measured = drafter_scores(view, accs, costs, observations, (state.drafter,))[state.drafter]
+    best = better_drafter(
+        state.drafter, drafters, scores, state.last_score, state.demoted, cooled_down, never_measured
+    )
     rollout = None
     if best is not None and best != state.drafter:
-        rollout = _switch_drafter(view, state, drafters[best], scores, notes, now)
+        standing = scores.get(state.drafter, state.last_score.get(state.drafter, never_measured))
+        rollout = _switch_drafter(view, state, drafters[best], standing, notes, now)
     every_drafter_demoted = state.drafter in state.demoted
     if every_drafter_demoted:
         # Speculation off until a demotion expires and a trial finds a drafter above the floor.
@@ -836,15 +852,15 @@ def _switch_drafter(
     view: ResourceView,
     state: ResourceState,
     best: DrafterSpec,
-    scores: Mapping[str, float],
+    standing: float,
     notes: list[str],
     now: float,
 ) -> str | None:
     """Put `best` in force with every bucket off (the K table starts again); returns it if the engines
-    must be restarted for it (a rollout)."""
+    must be restarted for it (a rollout). `standing`: the score the drafter in force was compared at."""
     notes.append(
         f"drafter {state.drafter}→{best.name}: predicted gain {state.last_score.get(best.name, 0.0):.2f} "
-        f"vs {scores.get(state.drafter, 0.0):.2f}"
+        f"vs {standing:.2f}"
     )
     # The drafter left behind is tried again after one cooldown, not a whole trial period: the
     # fleet-wide measurement of the new one may disappoint.
