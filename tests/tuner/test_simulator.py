@@ -328,6 +328,66 @@ def test_controller_does_not_lose_to_plain_decoding_under_load(tmp_path: Path) -
     assert sim.state.k_by_bucket["+Inf"] < 3
 
 
+def _best_gain(truth: truths.MeasuredCpuTruth, batch: float) -> float:
+    """The truth's best goodput over plain decoding at `batch`, any drafter and K, on half code, half
+    prose (the mean tokens a step of the recorded sequences gives)."""
+    tokens = truth.library.mean_tokens.mean(axis=(2, 3))  # [K + 1, drafter]
+    gains = []
+    for d in range(tokens.shape[1]):
+        for k in range(1, tokens.shape[0]):
+            plain, spec = (_step(truth, batch, kk, drafter=d) for kk in (0, k))
+            gains.append(tokens[k, d] * plain / spec)
+    return max(gains)
+
+
+def test_a_cold_fleet_under_heavy_load_measures_before_it_speculates(tmp_path: Path) -> None:
+    """The capacity probe's cold start (docs/policy.md, "Cold start"): a fleet started under heavy load on
+    the measured CPU, where no speculation pays from batch 9 on. Its pods start plain, so its first
+    decisions calibrate on a measured plain step: they turn no bucket from 16 up on, and the fleet keeps
+    up as plain decoding does. Started at the drafter's largest K (the initial policy before), the first
+    decision saw speculative steps only, turned n-gram on up to bucket 32, and the queue grew for
+    minutes."""
+    cfg = measured_cpu_config(pods=8, policies=("off", "specserve"))
+    truth = make_truth(cfg)
+    assert isinstance(truth, truths.MeasuredCpuTruth) and _best_gain(truth, 9) < 1.0
+    # Three quarters of what plain decoding serves at max_num_seqs (the benchmark's load scaling).
+    plain_rps = cfg.pods * cfg.max_num_seqs / _step(truth, cfg.max_num_seqs) / np.mean(cfg.output_mean)
+    trace = _constant(tmp_path, rate=0.75 * plain_rps, seconds=900)
+    sim = FleetSim(cfg, trace)
+    s = {name: r.summary(trace.duration_s) for name, r in sim.run().items()}
+    high = [label for label in sim.labels if label == "+Inf" or int(label) >= 16]
+    first = [d for t, d in sim.decisions if t <= 5 * cfg.evaluation_interval_s]
+    assert first and all(d.k_by_bucket[label] == 0 for d in first for label in high), [
+        (d.action, d.k_by_bucket) for d in first
+    ]
+    assert s["specserve"]["wait_p95_ms"] <= 2000.0  # the capacity SLO's wait for a batch slot
+    assert s["specserve"]["tpot_mean_ms"] <= 1.03 * s["off"]["tpot_mean_ms"]
+
+
+@pytest.mark.parametrize("drafters", ["two", "one"])
+def test_a_cold_fleet_speculates_one_interval_after_its_first_decision_where_it_pays(
+    tmp_path: Path, drafters: str
+) -> None:
+    """The plain start costs the gpu truth, where speculation pays at low batch, one interval: the first
+    decision on metrics measures on one canary (a trial of the other drafter, whose step times the draft
+    model borrows; or, with one drafter, an exploration), the next turns speculation on fleet-wide."""
+    eagle = DrafterProfile(
+        DrafterSpec(name="eagle3", method="eagle3", source="hf://org/eagle3", maxSpeculativeTokens=5),
+        {"code": flat(0.8), "prose": flat(0.8)},
+    )
+    cfg = SimConfig(pods=2, policies=("off", "specserve"))
+    if drafters == "one":
+        cfg = SimConfig(pods=2, policies=("off", "specserve"), drafters=(eagle,))
+    trace = _constant(tmp_path, rate=2.0, seconds=300)
+    sim = FleetSim(cfg, trace)
+    s = {name: r.summary(trace.duration_s) for name, r in sim.run().items()}
+    interval = cfg.evaluation_interval_s
+    (first, decision), (second, enabled) = sim.decisions[:2]
+    assert first == interval and not any(decision.k_by_bucket.values()), decision.reason
+    assert second == 2 * interval and enabled.k_by_bucket["1"] > 0, enabled.reason
+    assert s["specserve"]["tpot_mean_ms"] < 0.6 * s["off"]["tpot_mean_ms"]
+
+
 def test_every_policy_runs_on_the_measured_cpu_truth(tmp_path: Path) -> None:
     trace = _constant(tmp_path, rate=2.0, seconds=300)
     cfg = measured_cpu_config(pods=2, quantum_s=1.0, policies=fleet.POLICIES)
