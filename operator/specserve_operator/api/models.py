@@ -413,9 +413,10 @@ class SpeculationSpec(_Model):
 
     mode: SpeculationMode = Field(
         default="auto",
-        description="auto: the controller decides per batch-size bucket; advise: it decides as in auto "
-        "but changes nothing (status.recommendation, Events and metrics show what it would do); on: always "
-        "speculate with the default drafter at its maximum K; off: never speculate.",
+        description="auto: the controller decides per batch-size bucket, the pods decoding plain (K 0) "
+        "until it does; advise: it decides as in auto but changes nothing (status.recommendation, Events "
+        "and metrics show what it would do), the pods keep what they run (plain from the start); on: "
+        "always speculate with the default drafter at its maximum K; off: never speculate.",
     )
     default_drafter: str | None = Field(
         default=None,
