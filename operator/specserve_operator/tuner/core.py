@@ -570,10 +570,10 @@ def better_drafter(
     """The drafter to run instead of `current`, or None to keep it. The best measured one, by
     SWITCH_MARGIN over the one in force, once the last switch has cooled down; never a demoted one. The
     one in force, not measured now (every bucket off, so no live drafts), counts at its last score, else
-    at `never_measured`: a trial's measurement alone must not win against a drafter that merely sat out
-    (plain decoding, 1.0, once its buckets were turned off) or has not had its turn yet (its predicted
-    score, while the pods have run plain since they started). A demoted drafter in force gives way at
-    once, to the best measured one or else the best remembered one (`last_score`)."""
+    at `never_measured` (`decide` passes what the prior predicts for it; by default plain decoding, 1.0):
+    a trial's measurement alone must not win against a drafter that merely sat out, or that has not had
+    its turn since the pods started plain. A demoted drafter in force gives way at once, to the best
+    measured one or else the best remembered one (`last_score`)."""
     eligible = {n: s for n, s in scores.items() if n not in demoted}
     if current in demoted:
         remembered = {n: last_score.get(n, 0.0) for n in candidates if n not in demoted}
@@ -805,9 +805,10 @@ def decide(
     cooled_down = now - state.last_switch_at >= view.spec.speculation.cooldown_seconds
     never_measured = 1.0
     if state.drafter not in state.last_score:
-        # Never measured: the pods have run plain since they started (docs/policy.md, "Cold start"). Until
-        # it is measured, the drafter in force stands at what the prior predicts for it on the calibrated
-        # step times, not at plain decoding, which any drafter a trial measured would beat.
+        # Never scored: the pods have run plain since they started (docs/policy.md, "Cold start"), or the
+        # operator restarted. Until it is measured, the drafter in force stands at what the prior predicts
+        # for it on the calibrated step times, not at plain decoding, which any drafter a trial measured
+        # would beat.
         never_measured = drafter_scores(view, accs, costs, observations, (state.drafter,))[state.drafter]
     best = better_drafter(
         state.drafter, drafters, scores, state.last_score, state.demoted, cooled_down, never_measured
