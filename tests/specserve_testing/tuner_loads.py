@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specserve_operator.tuner import observations
+
 BUCKETS = (("4", 3.0), ("16", 12.0), ("64", 48.0))  # label, batch size
 
 
@@ -19,3 +21,18 @@ def loads_at_prior(bucket_load, prior, k: int = 3, slow: float = 1.0, buckets=BU
         )
         for label, batch in buckets
     }
+
+
+def shadow_rows(
+    pod: str, drafter: str, alphas: tuple[float, ...], drafts: float = 400.0, namespace: str = "ml"
+) -> list:
+    """Per-position shadow counts as a sidecar exports them: `drafts` shadow drafts of 4 tokens."""
+    rows, survival = [], 1.0
+    for pos, alpha in enumerate(alphas):
+        survival *= alpha
+        labels = {"namespace": namespace, "pod": pod, "drafter": drafter, "position": str(pos)}
+        rows += [
+            (observations.SHADOW_PROPOSED_POS, labels, drafts),
+            (observations.SHADOW_ACCEPTED_POS, labels, drafts * survival),
+        ]
+    return rows

@@ -9,7 +9,7 @@ import pytest
 from specserve_engine.buckets import bucket_labels
 from specserve_operator.render.children import initial_policy
 from specserve_operator.tuner import core, observations
-from specserve_testing.tuner_loads import BUCKETS
+from specserve_testing.tuner_loads import BUCKETS, shadow_rows
 
 NS = "ml"
 PODS = ("pod-a", "pod-b")
@@ -71,7 +71,9 @@ def test_the_first_decision_measures_before_it_speculates_fleet_wide(
     d = _decide(view, core.ResourceState.initial(spec), rows, 30.0)
     assert d.push and not any(d.k_by_bucket.values()), d.reason
     speculating = {pod for pod, t in d.pods.items() if any(t.k_by_bucket.values())}
-    assert len(speculating) == 1 and d.action in ("trial", "explore"), d.reason
+    # The drafter the pods loaded is measured first (an exploration), before another is tried.
+    assert len(speculating) == 1 and d.action == "explore", d.reason
+    assert all(d.pods[pod].drafter == d.drafter == spec.drafters[0].name for pod in speculating)
 
     no_canaries = spec_factory(speculation__explorationShare=0.0)
     view = core.ResourceView(NS, "llm", no_canaries, PODS)
@@ -115,3 +117,29 @@ def test_the_standing_of_a_drafter_in_force_without_a_score() -> None:
     assert core.better_drafter("a", names, {"b": 1.3}, {}, {}, cooled_down=True, never_measured=1.5) is None
     # A score, measured now or before, outranks the prediction.
     assert core.better_drafter("a", names, {"b": 1.3}, {"a": 1.1}, {}, True, never_measured=1.5) == "b"
+
+
+def test_a_drafter_known_only_from_its_shadow_is_tried_before_the_fleet_switches(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Shadow drafts measured n-gram's acceptance well above the draft model's, but n-gram's own steps
+    were never timed (its step times are borrowed): no fleet-wide switch on that, a trial first."""
+    spec = spec_factory()
+    view = core.ResourceView(NS, "llm", spec, PODS)
+    draft = view.prior(spec.drafters[0])
+    spec_steps = {
+        label: bucket_load(
+            batch=batch,
+            steps_plain=200,
+            step_s_plain=draft.step_s(batch, 0),
+            steps_spec=1000,
+            step_s_spec=draft.step_s(batch, 3),
+            k=3,
+        )
+        for label, batch in BUCKETS
+    }
+    rows = [r for pod in PODS for r in rows_for(NS, pod, "draft", spec_steps, alphas=(0.5,) * 8)]
+    rows += shadow_rows("pod-a", "ngram", (0.9,) * 4) + shadow_rows("pod-b", "ngram", (0.9,) * 4)
+    d = _decide(view, core.ResourceState.initial(spec), rows, 30.0)
+    assert d.scores["ngram"] > 1.05 * d.scores["draft"], d.scores  # the shadow ranks n-gram first...
+    assert d.drafter == "draft" and "trial of drafter ngram" in d.reason, d.reason  # ...a trial measures it

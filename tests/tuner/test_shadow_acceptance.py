@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve_operator.tuner import core, observations
-from specserve_testing.tuner_loads import loads_at_prior
+from specserve_testing.tuner_loads import loads_at_prior, shadow_rows
 
 NS = "ml"
 
@@ -19,19 +19,6 @@ def view_of(spec) -> core.ResourceView:
 def decide(view: core.ResourceView, rows: list, state: core.ResourceState, now: float) -> core.Decision:
     snap = observations.build_snapshot(rows, 300.0)
     return core.decide(view, snap, state, core.FleetCosts([view], snap, ()), now)
-
-
-def shadow_rows(pod: str, drafter: str, alphas: tuple[float, ...], drafts: float = 400.0) -> list:
-    """Per-position shadow counts as a sidecar exports them: `drafts` shadow drafts of 4 tokens."""
-    rows, survival = [], 1.0
-    for pos, alpha in enumerate(alphas):
-        survival *= alpha
-        labels = {"namespace": NS, "pod": pod, "drafter": drafter, "position": str(pos)}
-        rows += [
-            (observations.SHADOW_PROPOSED_POS, labels, drafts),
-            (observations.SHADOW_ACCEPTED_POS, labels, drafts * survival),
-        ]
-    return rows
 
 
 def test_shadow_counts_are_folded_per_drafter_and_checked() -> None:

@@ -628,16 +628,39 @@ def next_canary(
     """Keep measuring what is switched off: one canary pod at a time either tries another drafter
     (trial) or speculates in the off bucket nearest the cliff that has traffic (explore). Returns the
     canary for this tick and, for a new one, a note saying what it measures."""
-    speculation = view.spec.speculation
-    interval = speculation.evaluation_interval_seconds
     if state.canary is not None:
         alive = state.canary.pod in view.pods and state.canary.drafter not in state.demoted
         if state.canary.until > now and alive:
             return state.canary, None
-    if speculation.exploration_share <= 0:
+    if view.spec.speculation.exploration_share <= 0:
         return None, None
-    drafters = {d.name: d for d in view.spec.drafters}
     pod = sorted(view.pods)[state.canary_round % len(view.pods)]
+    # Cold start (the pods began plain, docs/policy.md): the drafter in force, the one the pods have
+    # loaded, is measured first, by exploring, before another is tried; on a small fleet the canary is
+    # much of it, and a trial of a worse drafter first costs its whole length.
+    if state.drafter not in state.last_score:
+        order = (_explore_canary, _trial_canary)
+    else:
+        order = (_trial_canary, _explore_canary)
+    for make in order:
+        found = make(view, state, accs, costs, observations, now, pod)
+        if found is not None:
+            return found
+    return None, None
+
+
+def _trial_canary(
+    view: ResourceView,
+    state: ResourceState,
+    accs: Mapping[str, policy.Acceptance],
+    costs: FleetCosts,
+    observations: list[PodObservation],
+    now: float,
+    pod: str,
+) -> tuple[Canary, str] | None:
+    speculation = view.spec.speculation
+    interval = speculation.evaluation_interval_seconds
+    drafters = {d.name: d for d in view.spec.drafters}
     # The drafter in force at its last score (this tick's, where it was measured now), else as plain.
     active_score = state.last_score.get(state.drafter, 1.0)
     # Trials: drafters that can run live and have not been measured for a trial period.
@@ -666,12 +689,26 @@ def next_canary(
             table = {label: 1 for label in choices}
         canary = Canary(pod, name, table, now + TRIAL_TICKS * interval, "trial")
         return canary, f"trial of drafter {name} on pod {pod}"
-    # Exploration: speculate on the canary in the lowest off bucket that sees traffic but has no
-    # speculative step-time measurement; often enough that the canary's share stays near explorationShare.
+    return None
+
+
+def _explore_canary(
+    view: ResourceView,
+    state: ResourceState,
+    accs: Mapping[str, policy.Acceptance],
+    costs: FleetCosts,
+    observations: list[PodObservation],
+    now: float,
+    pod: str,
+) -> tuple[Canary, str] | None:
+    """Speculate on the canary in the lowest off bucket that sees traffic but has no speculative
+    step-time measurement; often enough that the canary's share stays near explorationShare."""
+    speculation = view.spec.speculation
+    interval = speculation.evaluation_interval_seconds
     period = EXPLORE_TICKS * interval / (speculation.exploration_share * len(view.pods))
     if now - state.last_explore_at < max(period, EXPLORE_TICKS * interval):
-        return None, None
-    active = drafters[state.drafter]
+        return None
+    active = view.spec.drafter(state.drafter)
     cost = costs.cost(view, active)
     traffic: dict[str, float] = {}
     for obs in observations:
@@ -689,7 +726,7 @@ def next_canary(
         table[label] = choice.k
         canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
         return canary, f"explore bucket {label} with k={choice.k} on pod {pod}"
-    return None, None
+    return None
 
 
 def table_action(old: Mapping[str, int], new: Mapping[str, int]) -> str:
@@ -810,8 +847,15 @@ def decide(
         # for it on the calibrated step times, not at plain decoding, which any drafter a trial measured
         # would beat.
         never_measured = drafter_scores(view, accs, costs, observations, (state.drafter,))[state.drafter]
+    # A drafter whose speculative steps were never measured on its own (only its shadow acceptance, on
+    # borrowed step times) is tried on a canary first (next_canary), not switched to fleet-wide.
+    candidates = {
+        n: score
+        for n, score in scores.items()
+        if n == state.drafter or costs.cost(view, drafters[n]).own_spec_measured
+    }
     best = better_drafter(
-        state.drafter, drafters, scores, state.last_score, state.demoted, cooled_down, never_measured
+        state.drafter, drafters, candidates, state.last_score, state.demoted, cooled_down, never_measured
     )
     rollout = None
     if best is not None and best != state.drafter:
