@@ -370,8 +370,8 @@ def test_a_cold_fleet_speculates_one_interval_after_its_first_decision_where_it_
     tmp_path: Path, drafters: str
 ) -> None:
     """The plain start costs the gpu truth, where speculation pays at low batch, one interval: the first
-    decision on metrics measures on one canary (a trial of the other drafter, whose step times the draft
-    model borrows; or, with one drafter, an exploration), the next turns speculation on fleet-wide."""
+    decision on metrics measures on one canary (an exploration of the drafter in force), the next turns
+    speculation on fleet-wide."""
     eagle = DrafterProfile(
         DrafterSpec(name="eagle3", method="eagle3", source="hf://org/eagle3", maxSpeculativeTokens=5),
         {"code": flat(0.8), "prose": flat(0.8)},
