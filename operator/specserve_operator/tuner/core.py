@@ -720,8 +720,11 @@ def _explore_canary(
         if cost.measured_spec(label):
             continue
         choice = policy.best_k(accs[state.drafter], cost, label, active.max_speculative_tokens)
-        if choice.gain < 1.0:
-            continue  # slower than plain decoding by what was measured in other buckets: no canary
+        # Slower than plain decoding by what was measured in other buckets: no canary. At a cold start
+        # nothing was measured, and the prior alone does not keep the drafter in force from its first
+        # measurement (a tiny draft model on a CPU, say, which a GPU roofline prices as never paying).
+        if choice.gain < 1.0 and state.drafter in state.last_score:
+            continue
         table = dict(state.k_by_bucket)
         table[label] = choice.k
         canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
