@@ -723,12 +723,16 @@ def _explore_canary(
         # Slower than plain decoding by what was measured in other buckets: no canary. At a cold start
         # nothing was measured, and the prior alone does not keep the drafter in force from its first
         # measurement (a tiny draft model on a CPU, say, which a GPU roofline prices as never paying).
-        if choice.gain < 1.0 and state.drafter in state.last_score:
+        cold = state.drafter not in state.last_score
+        if choice.gain < 1.0 and not cold:
             continue
+        # Cold, at the largest K: its drafts then measure acceptance at every position, which a small K
+        # leaves to the prior (and a draft model whose later positions pay, ranked below n-gram).
+        k = active.max_speculative_tokens if cold else choice.k
         table = dict(state.k_by_bucket)
-        table[label] = choice.k
+        table[label] = k
         canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
-        return canary, f"explore bucket {label} with k={choice.k} on pod {pod}"
+        return canary, f"explore bucket {label} with k={k} on pod {pod}"
     return None
 
 
