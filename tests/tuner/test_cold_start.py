@@ -71,9 +71,12 @@ def test_the_first_decision_measures_before_it_speculates_fleet_wide(
     d = _decide(view, core.ResourceState.initial(spec), rows, 30.0)
     assert d.push and not any(d.k_by_bucket.values()), d.reason
     speculating = {pod for pod, t in d.pods.items() if any(t.k_by_bucket.values())}
-    # The drafter the pods loaded is measured first (an exploration), before another is tried.
+    # The drafter the pods loaded is measured first (an exploration), before another is tried, at its
+    # largest K: its drafts measure acceptance at every position.
     assert len(speculating) == 1 and d.action == "explore", d.reason
-    assert all(d.pods[pod].drafter == d.drafter == spec.drafters[0].name for pod in speculating)
+    (canary,) = (d.pods[pod] for pod in speculating)
+    assert canary.drafter == d.drafter == spec.drafters[0].name
+    assert {k for k in canary.k_by_bucket.values() if k} == {spec.drafters[0].max_speculative_tokens}
 
     no_canaries = spec_factory(speculation__explorationShare=0.0)
     view = core.ResourceView(NS, "llm", no_canaries, PODS)
@@ -143,3 +146,21 @@ def test_a_drafter_known_only_from_its_shadow_is_tried_before_the_fleet_switches
     d = _decide(view, core.ResourceState.initial(spec), rows, 30.0)
     assert d.scores["ngram"] > 1.05 * d.scores["draft"], d.scores  # the shadow ranks n-gram first...
     assert d.drafter == "draft" and "trial of drafter ngram" in d.reason, d.reason  # ...a trial measures it
+
+
+def test_a_cold_start_explores_the_drafter_in_force_where_the_prior_sees_no_gain(
+    spec_factory, rows_for, bucket_load, monkeypatch
+) -> None:
+    """A prior that prices every K as slower than plain (a GPU roofline over a tiny draft model on a CPU)
+    does not keep the drafter the pods loaded from its first measurement; once it has a score, such a
+    bucket gets no exploration."""
+    spec = spec_factory()
+    view = core.ResourceView(NS, "llm", spec, PODS)
+    prior = view.prior(spec.drafters[0])
+    rows = [r for pod in PODS for r in rows_for(NS, pod, "draft", _plain(bucket_load, prior))]
+    monkeypatch.setattr(core.policy, "best_k", lambda *a, **k: core.policy.BucketChoice(1, 0.5, (0.5,)))
+    state = core.ResourceState.initial(spec)
+    assert _decide(view, state, rows, 30.0).action == "explore"
+    scored = core.ResourceState.initial(spec)
+    scored.last_score["draft"] = 0.9
+    assert _decide(view, scored, rows, 30.0).action != "explore"
