@@ -23,6 +23,21 @@ def _plain(bucket_load, prior) -> dict:
     }
 
 
+def _speculating(bucket_load, plain_prior, spec_prior, steps_plain: int) -> dict:
+    """A pod that speculated at K 3 in most steps: plain and speculative steps as fast as the priors say."""
+    return {
+        label: bucket_load(
+            batch=batch,
+            steps_plain=steps_plain,
+            step_s_plain=plain_prior.step_s(batch, 0),
+            steps_spec=1000,
+            step_s_spec=spec_prior.step_s(batch, 3),
+            k=3,
+        )
+        for label, batch in BUCKETS
+    }
+
+
 def _decide(view, state, rows, now):
     snap = observations.build_snapshot(rows, 300.0)
     return core.decide(view, snap, state, core.FleetCosts([view], snap), now)
@@ -94,17 +109,7 @@ def test_a_drafter_in_force_never_measured_stands_at_its_prior_against_a_trial(
     spec = spec_factory()
     view = core.ResourceView(NS, "llm", spec, PODS)
     draft, ngram = view.prior(spec.drafters[0]), view.prior(spec.drafters[1])
-    trial = {
-        label: bucket_load(
-            batch=batch,
-            steps_plain=500,
-            step_s_plain=draft.step_s(batch, 0),
-            steps_spec=1000,
-            step_s_spec=ngram.step_s(batch, 3),
-            k=3,
-        )
-        for label, batch in BUCKETS
-    }
+    trial = _speculating(bucket_load, draft, ngram, steps_plain=500)
     rows = rows_for(NS, "pod-a", "ngram", trial, alphas=(0.4,) * 8)
     rows += rows_for(NS, "pod-b", "draft", _plain(bucket_load, draft))
     state = core.ResourceState.initial(spec)
@@ -130,17 +135,7 @@ def test_a_drafter_known_only_from_its_shadow_is_tried_before_the_fleet_switches
     spec = spec_factory()
     view = core.ResourceView(NS, "llm", spec, PODS)
     draft = view.prior(spec.drafters[0])
-    spec_steps = {
-        label: bucket_load(
-            batch=batch,
-            steps_plain=200,
-            step_s_plain=draft.step_s(batch, 0),
-            steps_spec=1000,
-            step_s_spec=draft.step_s(batch, 3),
-            k=3,
-        )
-        for label, batch in BUCKETS
-    }
+    spec_steps = _speculating(bucket_load, draft, draft, steps_plain=200)
     rows = [r for pod in PODS for r in rows_for(NS, pod, "draft", spec_steps, alphas=(0.5,) * 8)]
     rows += shadow_rows("pod-a", "ngram", (0.9,) * 4) + shadow_rows("pod-b", "ngram", (0.9,) * 4)
     d = _decide(view, core.ResourceState.initial(spec), rows, 30.0)
