@@ -710,6 +710,7 @@ def _explore_canary(
         return None
     active = view.spec.drafter(state.drafter)
     cost = costs.cost(view, active)
+    cold = state.drafter not in state.last_score
     traffic: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
@@ -723,7 +724,6 @@ def _explore_canary(
         # Slower than plain decoding by what was measured in other buckets: no canary. At a cold start
         # nothing was measured, and the prior alone does not keep the drafter in force from its first
         # measurement (a tiny draft model on a CPU, say, which a GPU roofline prices as never paying).
-        cold = state.drafter not in state.last_score
         if choice.gain < 1.0 and not cold:
             continue
         # Cold, at the largest K: its drafts then measure acceptance at every position, which a small K
