@@ -275,6 +275,48 @@ def test_a_request_whose_skipped_positions_do_not_fit_gets_no_drafts(
     assert all(drafts.count(i) > 0 for i in fresh) and proposals  # with fresh requests in it, it drafts
 
 
+def test_a_prefix_hit_on_blocks_filled_plain_is_recomputed_or_never_drafted(tmp_path: Path) -> None:
+    """A long shared prefix first prefilled while speculation was off holds the target's KV but not
+    EAGLE-3's (vllm_plugins/plain_filled_blocks.py). Once speculation is on, a request sharing it
+    recomputes those blocks rather than draft from them, and drafts as well as on an engine that was
+    always on; one admitted while off takes the whole hit and never drafts. Output stays exact."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_of(HEADS["tiny-eagle3"])))
+    shared = ""
+    for text in [*prompts("code"), *prompts("prose")]:  # past three 128-token blocks, the CPU block size
+        if len(tokenizer(shared).input_ids) > 3 * 128 + 8:
+            break
+        shared += text + "\n"
+    asks = [shared + p for p in prompts("code")[:2]]
+
+    always = InProcessEngine(HEADS["tiny-eagle3"], tmp_path / "always")
+    always.policy(1, MAX_K)
+    always_drafts = RecordedDrafts(always.runner)
+    always.complete([shared])
+    expected = always.complete(asks)
+
+    engine = InProcessEngine(HEADS["tiny-eagle3"], tmp_path / "resumed")
+    scheduler = engine.engine.engine_core.engine_core.scheduler
+    hits = _record_hits(scheduler)
+    verified = _record_verified(scheduler)
+    drafts = RecordedDrafts(engine.runner)
+    engine.policy(1, 0)
+    engine.complete([shared])  # the prefix's blocks filled in plain steps
+    off = engine.add(asks[:1])
+    engine.run(steps=2)
+    engine.policy(2, MAX_K)
+    on = engine.add(asks[1:])
+    done = engine.run()
+    assert [done[i] for i in off + on] == expected
+    assert hits[off[0]] >= 2 * 128 and hits[on[0]] == 0  # the whole hit while off; recomputed once on
+    # It holds the plain-filled blocks: whatever the drafter proposes for it, nothing is verified.
+    assert off[0] not in verified and verified[on[0]] > 0
+    ours = drafts.mean_accepted(engine.tokens, on)
+    theirs = always_drafts.mean_accepted(always.tokens, ["r3"])  # always's asks were r2 and r3
+    assert ours >= 0.9 * theirs, (ours, theirs)
+
+
 def test_k0_steps_are_plain_and_output_is_unchanged(
     texts: list[str], reference: list[str], tmp_path: Path
 ) -> None:
@@ -323,48 +365,6 @@ def test_k0_steps_make_no_draft_round_trip_to_the_worker(
     steps = round_trips.count("execute_model")
     # Drafts are fetched after the steps that proposed some: every step but the last ones.
     assert steps - 2 <= round_trips.count("take_draft_token_ids") <= steps
-
-
-def test_a_prefix_hit_on_blocks_filled_plain_is_recomputed_or_never_drafted(tmp_path: Path) -> None:
-    """A long shared prefix first prefilled while speculation was off holds the target's KV but not
-    EAGLE-3's (vllm_plugins/plain_filled_blocks.py). Once speculation is on, a request sharing it
-    recomputes those blocks rather than draft from them, and drafts as well as on an engine that was
-    always on; one admitted while off takes the whole hit and never drafts. Output stays exact."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(target_of(HEADS["tiny-eagle3"])))
-    shared = ""
-    for text in [*prompts("code"), *prompts("prose")]:  # past three 128-token blocks, the CPU block size
-        if len(tokenizer(shared).input_ids) > 3 * 128 + 8:
-            break
-        shared += text + "\n"
-    asks = [shared + p for p in prompts("code")[:2]]
-
-    always = InProcessEngine(HEADS["tiny-eagle3"], tmp_path / "always")
-    always.policy(1, MAX_K)
-    always_drafts = RecordedDrafts(always.runner)
-    always.complete([shared])
-    expected = always.complete(asks)
-
-    engine = InProcessEngine(HEADS["tiny-eagle3"], tmp_path / "resumed")
-    scheduler = engine.engine.engine_core.engine_core.scheduler
-    hits = _record_hits(scheduler)
-    verified = _record_verified(scheduler)
-    drafts = RecordedDrafts(engine.runner)
-    engine.policy(1, 0)
-    engine.complete([shared])  # the prefix's blocks filled in plain steps
-    off = engine.add(asks[:1])
-    engine.run(steps=2)
-    engine.policy(2, MAX_K)
-    on = engine.add(asks[1:])
-    done = engine.run()
-    assert [done[i] for i in off + on] == expected
-    assert hits[off[0]] >= 2 * 128 and hits[on[0]] == 0  # the whole hit while off; recomputed once on
-    # It holds the plain-filled blocks: whatever the drafter proposes for it, nothing is verified.
-    assert off[0] not in verified and verified[on[0]] > 0
-    ours = drafts.mean_accepted(engine.tokens, on)
-    theirs = always_drafts.mean_accepted(always.tokens, ["r3"])  # always's asks were r2 and r3
-    assert ours >= 0.9 * theirs, (ours, theirs)
 
 
 def _record_verified(scheduler: Any) -> dict[str, int]:
