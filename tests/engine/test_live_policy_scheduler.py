@@ -102,8 +102,8 @@ SHARED_PROMPT = list(range(100, 100 + 3 * BLOCK + 5))
 EAGLE_HIT = 2 * BLOCK
 
 
-def _policy(version: int, k: int) -> PodPolicy:
-    return PodPolicy(version, EAGLE3.name, "on", dict.fromkeys(bucket_labels(BUCKETS), k), BUCKETS)
+def _policy(version: int, k: int, drafter: SidecarDrafter = EAGLE3) -> PodPolicy:
+    return PodPolicy(version, drafter.name, "on", dict.fromkeys(bucket_labels(BUCKETS), k), BUCKETS)
 
 
 def _step(scheduler: Any, drafts: dict[str, list[int]] | None = None) -> Any:
@@ -188,9 +188,9 @@ def test_a_request_that_hit_plain_filled_blocks_while_off_never_drafts(
 def test_engines_without_drafter_kv_keep_every_hit(tmp_path: Path) -> None:
     """n-gram keeps no KV: a prompt first prefilled plain is hit by a drafting request."""
     scheduler = _scheduler(tmp_path, async_scheduling=False, drafter=NGRAM, prefix_caching=True)
-    apply_policy(PodPolicy(1, NGRAM.name, "on", dict.fromkeys(bucket_labels(BUCKETS), 0), BUCKETS), tmp_path)
+    apply_policy(_policy(1, 0, NGRAM), tmp_path)
     scheduler.add_request(_request(0, SHARED_PROMPT, max_tokens=1))
     _step(scheduler)
-    apply_policy(PodPolicy(2, NGRAM.name, "on", dict.fromkeys(bucket_labels(BUCKETS), 2), BUCKETS), tmp_path)
+    apply_policy(_policy(2, 2, NGRAM), tmp_path)
     scheduler.add_request(_request(1, SHARED_PROMPT, max_tokens=1))
     assert _hit_tokens(_step(scheduler), "r1") == 3 * BLOCK
