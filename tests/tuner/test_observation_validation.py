@@ -128,6 +128,26 @@ def test_contradicting_draft_counters_are_dropped(drafts, draft_tokens, accepted
     assert snap.pods[(NS, "p")].buckets["4"].drafts == 0.0
 
 
+def test_counters_equal_on_the_engine_but_ulps_apart_after_increase_are_kept() -> None:
+    """At K = 1 drafts and draft tokens are the same count, and at a position every draft passed so are
+    accepted and proposed; PromQL's increase() returns them a few ulps apart (as measured in the fleet
+    simulator's windows). That is no contradiction: the drafts and positions stay."""
+    drafts = 109821.22754409048
+    lab = {"namespace": NS, "pod": "p", "bucket": "128", "drafter": "d"}
+    pos = {"namespace": NS, "pod": "p", "drafter": "d", "position": "0"}
+    rows = [
+        (observations.DRAFTS, lab, drafts),
+        (observations.DRAFT_TOKENS, lab, 109821.22754408652),
+        (observations.ACCEPTED, lab, 58490.2),
+        (observations.ACCEPTED_POS, pos, 1000.0000000001),
+        (observations.PROPOSED_POS, pos, 1000.0),
+    ]
+    snap = build_snapshot(rows, 300.0)
+    assert snap.dropped == {}
+    stats = snap.pods[(NS, "p")].by_drafter["d"]
+    assert stats["128"].drafts == drafts and stats[observations.ALL_BUCKETS].accepted_pos
+
+
 def test_more_accepted_than_proposed_at_a_position_drops_the_positions() -> None:
     base = {"namespace": NS, "pod": "p", "drafter": "d"}
     rows = [

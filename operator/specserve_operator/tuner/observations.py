@@ -68,6 +68,10 @@ MAX_STEP_S = 3600.0
 # The CRD's largest maxSpeculativeTokens (api/models.py): no draft is longer, no position higher.
 MAX_SPECULATIVE_TOKENS = 16
 MAX_POLICY_VERSION = 2**63 - 1  # the API server's int64
+# Counters that are equal on the engine (drafts and draft tokens at K = 1, accepted and proposed at a
+# position every draft passed) come out of PromQL's increase() a few ulps apart: a bound between two
+# counters holds within this relative slack.
+COUNTER_SLACK = 1e-9
 # The acceptance window's share of the metrics window: 60 s of a cluster's 300 (two 30 s evaluation
 # intervals), 12 s of the local fleet's 60 (two and a half of its 5 s intervals).
 ACCEPTANCE_WINDOW_SHARE = 0.2
@@ -134,13 +138,15 @@ class BucketStats:
         return BucketStats(self.steps_plain, self.seconds_plain, self.tokens_plain)
 
     def spec_side(self) -> BucketStats:
-        """A copy of the speculative steps' counters, with the drafts that give their batch size."""
+        """A copy of the speculative steps' counters, with the drafts and accepted tokens that give their
+        batch size."""
         return BucketStats(
             steps_spec=self.steps_spec,
             seconds_spec=self.seconds_spec,
             tokens_spec=self.tokens_spec,
             drafts=self.drafts,
             draft_tokens=self.draft_tokens,
+            accepted=self.accepted,
             steps_by_k=dict(self.steps_by_k),
             seconds_by_k=dict(self.seconds_by_k),
         )
@@ -465,10 +471,17 @@ def _spec_contradiction(b: BucketStats) -> bool:
     if b.drafts == 0:
         return b.draft_tokens > 0 or b.accepted > 0
     return not (
-        b.drafts <= b.draft_tokens <= b.drafts * MAX_SPECULATIVE_TOKENS and b.accepted <= b.draft_tokens
+        _at_most(b.drafts, b.draft_tokens)
+        and _at_most(b.draft_tokens, b.drafts * MAX_SPECULATIVE_TOKENS)
+        and _at_most(b.accepted, b.draft_tokens)
     )
+
+
+def _at_most(a: float, b: float) -> bool:
+    """a ≤ b, but for COUNTER_SLACK."""
+    return a <= b * (1 + COUNTER_SLACK)
 
 
 def _positions_contradiction(b: BucketStats) -> bool:
     """A position with more accepted than proposed tokens, or accepted tokens at a position never proposed."""
-    return any(v > b.proposed_pos.get(pos, 0.0) for pos, v in b.accepted_pos.items())
+    return any(not _at_most(v, b.proposed_pos.get(pos, 0.0)) for pos, v in b.accepted_pos.items())
