@@ -281,10 +281,10 @@ class FleetSim:
             start.k_by_bucket.get(label, 0) if start.mode == "on" else 0 for label in self.labels
         ]
         ns, mk = len(self.spec_rows), self.max_k
-        # Step counters per pod, drafter in force, bucket and plain/speculative (as the engine labels them).
-        self.c_steps = np.zeros((ns, nd, self.nb, 2))
-        self.c_secs = np.zeros((ns, nd, self.nb, 2))
-        self.c_tokens = np.zeros((ns, nd, self.nb, 2))
+        # Step counters per pod, drafter in force, bucket and K verified (0: plain), as the engine labels them
+        self.c_steps = np.zeros((ns, nd, self.nb, mk + 1))
+        self.c_secs = np.zeros((ns, nd, self.nb, mk + 1))
+        self.c_tokens = np.zeros((ns, nd, self.nb, mk + 1))
         self.c_drafts = np.zeros((ns, nd, self.nb))
         self.c_dtok = np.zeros((ns, nd, self.nb))
         self.c_acc = np.zeros((ns, nd, self.nb))
@@ -351,17 +351,23 @@ class FleetSim:
             )
             rows.append((observations.RUNNING, base, float(self.running[i])))
             for b, label in enumerate(self.labels):
-                if steps[i, :, b, 0].sum() > 0:  # plain steps carry no drafter
+                if steps[i, :, b, 0].sum() > 0:  # plain steps carry no drafter and no K
                     lab = {**base, "bucket": label, "speculating": "false", "drafter": ""}
                     rows.append((observations.STEPS, lab, steps[i, :, b, 0].sum()))
                     rows.append((observations.STEP_SECONDS, lab, secs[i, :, b, 0].sum()))
                     rows.append((observations.TOKENS, lab, tokens[i, :, b, 0].sum()))
                 for j, name in enumerate(self.names):
-                    if steps[i, j, b, 1] > 0:
-                        lab = {**base, "bucket": label, "speculating": "true", "drafter": name}
-                        rows.append((observations.STEPS, lab, steps[i, j, b, 1]))
-                        rows.append((observations.STEP_SECONDS, lab, secs[i, j, b, 1]))
-                        rows.append((observations.TOKENS, lab, tokens[i, j, b, 1]))
+                    for kk in np.nonzero(steps[i, j, b, 1:] > 0)[0] + 1:
+                        lab = {
+                            **base,
+                            "bucket": label,
+                            "speculating": "true",
+                            "drafter": name,
+                            "k": str(kk),
+                        }
+                        rows.append((observations.STEPS, lab, steps[i, j, b, kk]))
+                        rows.append((observations.STEP_SECONDS, lab, secs[i, j, b, kk]))
+                        rows.append((observations.TOKENS, lab, tokens[i, j, b, kk]))
                 for j, name in enumerate(self.names):
                     if drafts[i, j, b] <= 0:
                         continue
@@ -621,7 +627,9 @@ class FleetSim:
                 r.batch_max = max(r.batch_max, int(fleet_batch.max()))
             self._adapt(batch, bidx, k, d, steps, decode, gain, proposed, r_act)
             if len(spec_rows):
-                self._count(spec_rows, batch, bidx, k, d, steps, decode, row_tokens, span, proposed, r_act)
+                self._count(
+                    spec_rows, batch, bidx, k, d, steps, decode, gain.sum(axis=1), span, proposed, r_act
+                )
         for name in ("sglang", "bandit"):
             if name in self.results:
                 self.results[name].switches = getattr(self, name).switches
@@ -705,7 +713,11 @@ class FleetSim:
         proposed: np.ndarray,
         r_act: np.ndarray,
     ) -> None:
-        """The specserve fleet's counters, from what each of its sequences actually did."""
+        """The specserve fleet's counters, from what each of its sequences did. A request that finished
+        mid-quantum holds its slot to the quantum's end (the step time counts it in the batch), and its
+        slot's tokens are counted for the whole quantum (`row_tokens`: what the slots' steps gave, as if
+        the next request had taken the slot over at once): as on an engine, generated tokens are
+        sequence-steps plus accepted tokens, at the batch the step time was charged for."""
         b = batch[rows]
         self.running = b.astype(float)
         busy = b > 0
@@ -713,12 +725,10 @@ class FleetSim:
             return
         i = np.nonzero(busy)[0]
         r = rows[i]
-        bi, kk = bidx[r], k[r]
-        spec = (kk > 0).astype(np.int64)
-        di = d[r]
-        np.add.at(self.c_steps, (i, di, bi, spec), steps[r])
-        np.add.at(self.c_secs, (i, di, bi, spec), decode[r])
-        np.add.at(self.c_tokens, (i, di, bi, spec), row_tokens[r])
+        bi, kk, di = bidx[r], k[r], d[r]
+        np.add.at(self.c_steps, (i, di, bi, kk), steps[r])
+        np.add.at(self.c_secs, (i, di, bi, kk), decode[r])
+        np.add.at(self.c_tokens, (i, di, bi, kk), row_tokens[r])
         # Slots of specserve pods that drafted: where in the counters each lands.
         first = rows[0]
         sel = (r_act >= first) & (r_act < first + len(rows)) & (k[r_act] > 0)
