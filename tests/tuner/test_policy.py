@@ -364,3 +364,105 @@ def test_remembered_ratio_fills_an_unmeasured_bucket_and_a_fresh_measurement_win
     assert memory.recall("g", 800.0) == ({}, {})  # expired
     memory.record("g", {}, {}, now=800.0)
     assert memory.plain["g"] == {} and memory.excess["g"] == {}  # expired entries are dropped
+
+
+# ---- the excess's shape across K, and drafters that do not always propose ----------------------------
+
+
+def _steps_at_ks(p: costmodel.StepCostPrior, batch: float, true_step, ks: tuple[int, ...]) -> BucketStats:
+    """500 plain steps and 500 speculative steps at each K of `ks`, timed by `true_step(k)`."""
+    return BucketStats(
+        steps_plain=500,
+        seconds_plain=500 * true_step(0),
+        tokens_plain=500 * batch,
+        steps_spec=500 * len(ks),
+        seconds_spec=sum(500 * true_step(k) for k in ks),
+        drafts=500 * len(ks) * batch,
+        draft_tokens=sum(500 * k * batch for k in ks),
+        steps_by_k={k: 500 for k in ks},
+        seconds_by_k={k: 500 * true_step(k) for k in ks},
+    )
+
+
+def test_a_fixed_cost_per_speculative_step_measured_at_two_ks_is_fitted_not_scaled_away() -> None:
+    """An n-gram drafter behind an RPC on a CPU: a speculative step costs a fixed 0.7 ms more at any K,
+    far from the prior's few microseconds per K. Measured at K = 1 and K = 4, the fit prices K = 2, 3 and 5
+    as they are; one ratio (measured at K = 4 only) prices what K = 1 adds at about a quarter of it, and picks a K
+    too small for the acceptance."""
+    p = prior("ngram")
+    label, batch = "1", 1.0
+
+    def true_step(k: int) -> float:
+        return p.step_s(batch, 0) + (7e-4 if k else 0.0) + 0.5 * (p.step_s(batch, k) - p.step_s(batch, 0))
+
+    fitted = tuner_policy.CalibratedCost(p, {label: _steps_at_ks(p, batch, true_step, (1, 4))}, BOUNDS)
+    assert label in fitted.affine
+    for k in range(1, 6):
+        assert fitted.step_s(label, k) == pytest.approx(true_step(k), rel=1e-6)
+    scaled = tuner_policy.CalibratedCost(p, {label: _steps_at_ks(p, batch, true_step, (4,))}, BOUNDS)
+    assert label not in scaled.affine
+    assert scaled.step_s(label, 1) - true_step(0) < 0.5 * (true_step(1) - true_step(0))
+    acc = flat_acceptance(0.5)
+    assert tuner_policy.best_k(acc, fitted, label, 5).k > tuner_policy.best_k(acc, scaled, label, 5).k
+
+
+def test_ks_remembered_from_earlier_windows_join_the_fit_and_a_k_measured_now_wins() -> None:
+    p = prior("ngram")
+    label, batch = "1", 1.0
+
+    def true_step(k: int) -> float:
+        return p.step_s(batch, 0) + (7e-4 if k else 0.0)
+
+    memory = tuner_policy.RatioMemory(ttl_s=600.0)
+    first = tuner_policy.CalibratedCost(p, {label: _steps_at_ks(p, batch, true_step, (4,))}, BOUNDS)
+    memory.record("g", first.plain_ratio, first.excess_ratio, 0.0, first.excess_by_k)
+    later = tuner_policy.CalibratedCost(
+        p,
+        {label: _steps_at_ks(p, batch, true_step, (1,))},
+        BOUNDS,
+        remembered=memory.recall("g", 100.0),
+        remembered_by_k=memory.recall_by_k("g", 100.0),
+    )
+    assert set(memory.recall_by_k("g", 100.0)[label]) == {4} and label in later.affine
+    assert later.step_s(label, 1) == pytest.approx(true_step(1), rel=0.01)
+    assert memory.recall_by_k("g", 700.0) == {}  # expired with the other ratios
+
+
+def test_a_shape_within_noise_of_the_priors_keeps_one_ratio() -> None:
+    """Measured at two Ks whose ratios differ by less than AFFINE_SHAPE_GAP: noise on the prior's shape,
+    not a fixed cost; one ratio stands."""
+    p = prior()
+    label, batch = "32", 24.0
+
+    def true_step(k: int) -> float:
+        bump = 1.3 if k == 2 else 1.0  # K = 2 measured 30 % dearer than the prior's shape
+        return p.step_s(batch, 0) + 1.5 * bump * (p.step_s(batch, k) - p.step_s(batch, 0))
+
+    cost = tuner_policy.CalibratedCost(p, {label: _steps_at_ks(p, batch, true_step, (2, 4))}, BOUNDS)
+    assert label not in cost.affine and set(cost.excess_by_k[label]) == {2, 4}
+
+
+def test_a_drafter_that_proposes_to_half_the_sequences_gains_half_the_extra_tokens() -> None:
+    """n-gram finds a match for half the sequences of its speculative steps: each of the others verifies
+    for one token. Sequences = generated tokens − accepted tokens; the rate is drafts over those."""
+    alpha, k, steps, batch = 0.8, 3, 1000, 8
+    drafts = steps * batch / 2
+    accepted = drafts * (alpha + alpha**2 + alpha**3)
+    stats = BucketStats(
+        steps_spec=steps,
+        tokens_spec=steps * batch + accepted,
+        drafts=drafts,
+        draft_tokens=k * drafts,
+        accepted=accepted,
+        accepted_pos={i: drafts * alpha ** (i + 1) for i in range(k)},
+        proposed_pos={i: drafts for i in range(k)},
+    )
+    acc = tuner_policy.acceptance(stats, k)
+    assert acc.proposal_rate == pytest.approx(0.5)
+    assert acc.tokens(k) == pytest.approx(1 + alpha + alpha**2 + alpha**3)  # MAL: per draft
+    assert acc.step_tokens_by_k(k)[-1] == pytest.approx(1 + 0.5 * (alpha + alpha**2 + alpha**3))
+    assert tuner_policy.spec_sequences(stats) == pytest.approx(steps * batch)
+    # Without generated-token counters: one draft per sequence, and every sequence drafted.
+    bare = BucketStats(drafts=drafts, draft_tokens=k * drafts, accepted=accepted)
+    assert tuner_policy.acceptance(bare, k).proposal_rate == 1.0
+    assert tuner_policy.spec_sequences(bare) == drafts

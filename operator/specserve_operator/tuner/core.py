@@ -249,6 +249,10 @@ class FleetCosts:
         self._pooled = pooled
         groups = set(memory.plain) | set(memory.excess) if memory is not None else set()
         self._remembered = {group: memory.recall(group, now) for group in groups}  # type: ignore[union-attr]
+        self._remembered_by_k = {
+            group: memory.recall_by_k(group, now)  # type: ignore[union-attr]
+            for group in (set(memory.excess_by_k) if memory is not None else set())
+        }
         # Each measured group on its own measurements: what it remembers, and what its siblings borrow.
         self._measured: dict[tuple, policy.CalibratedCost] = {}
         for group, stats in pooled.items():
@@ -259,12 +263,13 @@ class FleetCosts:
                     self._bounds[group],
                     None,
                     self._remembered.get(group, ({}, {})),
+                    self._remembered_by_k.get(group),
                 )
             except Exception as exc:  # the group's resources fail, not the tick
                 self._failed[group] = exc
         if memory is not None:
             for group, measured in self._measured.items():
-                memory.record(group, measured.plain_ratio, measured.excess_ratio, now)
+                memory.record(group, measured.plain_ratio, measured.excess_ratio, now, measured.excess_by_k)
         self._costs: dict[tuple, policy.CalibratedCost] = {}
 
     @staticmethod
@@ -328,6 +333,7 @@ class FleetCosts:
                     self._bounds.get(group) or tuple(view.spec.speculation.batch_buckets),
                     siblings[len(siblings) // 2] if siblings else None,
                     self._remembered.get(group, ({}, {})),
+                    self._remembered_by_k.get(group),
                 )
         return self._costs[group]
 

@@ -31,6 +31,10 @@ PRIOR_ALPHA = 0.6
 # without, where drafting adds little): it is raised to it. There is no ceiling: on hardware far from the
 # prior's (a CPU against a GPU roofline) what speculation adds is hundreds of times the prediction.
 EXCESS_RATIO_FLOOR = 0.1
+# The excess is fitted as a fixed cost plus the prior's shape (`_affine_excess`) only where the smallest K
+# measured ran at least this many times the largest one's ratio: a shape the prior gets wrong by a factor,
+# not by the noise of a few steps per K (which, fitted, invents fixed costs and moves K for nothing).
+AFFINE_SHAPE_GAP = 2.0
 RATIO_TTL_S = 86400.0  # step-time ratios are the hardware's, not the traffic's: kept a day
 
 
@@ -71,9 +75,25 @@ def iid_alpha_from_mal(mal: float, k: float) -> float:
 class Acceptance:
     alphas: tuple[float, ...]  # conditional acceptance per position, α_1..α_maxK
     source: str  # measured | totals | shadow (core.measured_acceptance) | remembered | prior
+    # The share of sequences in speculative steps that got a draft: below 1 for a drafter that proposes
+    # only where it finds a match (n-gram, suffix); such a sequence still verifies, for one token.
+    proposal_rate: float = 1.0
 
     def tokens(self, k: int) -> float:
+        """Mean accepted length of a draft of K (bonus token included): what the MAL floor judges."""
         return expected_tokens(self.alphas, k)
+
+    def step_tokens_by_k(self, max_k: int) -> list[float]:
+        """Tokens per sequence and speculative step for K = 1..max_k: 1 + rate·(E(K) − 1)."""
+        return [1.0 + self.proposal_rate * (e - 1.0) for e in expected_tokens_by_k(self.alphas, max_k)]
+
+
+def spec_sequences(s: BucketStats) -> float:
+    """Sequences in speculative steps (each once per step): each produced its accepted tokens plus one,
+    whether or not it got a draft (an n-gram drafter that finds no match drafts nothing). Without those
+    counters, or where they do not add up, one draft per sequence."""
+    rows = s.tokens_spec - s.accepted
+    return rows if rows >= s.drafts else s.drafts
 
 
 def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = None) -> Acceptance:
@@ -82,7 +102,27 @@ def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = No
     survival_j = accepted_pos[j] / proposed_pos[j] is P(positions 0..j all accepted); the conditional
     α_{j+1} = survival_j / survival_{j-1}. The per-position counters cover the short acceptance window
     (observations.py); without MIN_DRAFTS of them there (little traffic), an i.i.d. α is solved from the
-    long window's MAL and mean draft length; without any drafts, a prior."""
+    long window's MAL and mean draft length; without any drafts, a prior.
+
+    The proposal rate is drafts over the sequences of the drafter's speculative steps
+    (`spec_sequences`), over the metrics window."""
+    rows = spec_sequences(stats)
+    rate = (
+        min(1.0, stats.drafts / rows)
+        if rows >= MIN_DRAFTS and stats.drafts > 0 and not __import__("os").environ.get("NO_RATE")
+        else 1.0
+    )
+    if __import__("os").environ.get("DEBUG_RATE") and rate < 0.97:
+        print(
+            "RATE",
+            round(rate, 3),
+            round(stats.drafts),
+            round(rows),
+            round(stats.tokens_spec),
+            round(stats.accepted),
+            round(stats.steps_spec),
+            round(stats.draft_tokens),
+        )
     alphas: list[float] = []
     prev_survival = 1.0
     for pos in range(max_k):
@@ -94,12 +134,12 @@ def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = No
         alphas.append(min(alpha, 0.999))
         prev_survival = survival
     if alphas:
-        return Acceptance(_extend(alphas, max_k), "measured")
+        return Acceptance(_extend(alphas, max_k), "measured", rate)
     for totals in (stats, fallback):
         if totals is not None and totals.drafts >= MIN_DRAFTS and totals.draft_tokens > 0:
             mean_k = totals.draft_tokens / totals.drafts
             alpha = iid_alpha_from_mal(1.0 + totals.accepted / totals.drafts, mean_k)
-            return Acceptance(_extend([alpha], max_k), "totals")
+            return Acceptance(_extend([alpha], max_k), "totals", rate if totals is stats else 1.0)
     return Acceptance(tuple([PRIOR_ALPHA] * max_k), "prior")
 
 
@@ -122,6 +162,8 @@ def bucket_bounds_of(bounds: Sequence[int]) -> dict[str, tuple[int, int]]:
 
 
 Remembered = tuple[Mapping[str, float], Mapping[str, float]]
+# Per bucket, the excess ratio measured at each K (`CalibratedCost.excess_by_k`).
+RememberedByK = Mapping[str, Mapping[int, float]]
 
 
 @dataclass
@@ -129,22 +171,36 @@ class RatioMemory:
     """The last measured step-time ratios (plain and excess, `CalibratedCost`) per cost group and bucket,
     kept between ticks: a bucket switched off stops producing speculative steps, and without its own
     ratio it would borrow the other buckets' (measured where speculation is cheap) and be switched on
-    again."""
+    again. The excess ratio of each K is kept too: the K in force changes, and the shape of what
+    speculation adds with K is fitted across the Ks measured (`CalibratedCost`), now or before."""
 
     ttl_s: float = RATIO_TTL_S
     # group → bucket → (ratio, time measured)
     plain: dict[Hashable, dict[str, tuple[float, float]]] = field(default_factory=dict)
     excess: dict[Hashable, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    # group → (bucket, K) → (ratio, time measured)
+    excess_by_k: dict[Hashable, dict[tuple[str, int], tuple[float, float]]] = field(default_factory=dict)
 
     def record(
-        self, group: Hashable, plain: Mapping[str, float], excess: Mapping[str, float], now: float
+        self,
+        group: Hashable,
+        plain: Mapping[str, float],
+        excess: Mapping[str, float],
+        now: float,
+        excess_by_k: RememberedByK | None = None,
     ) -> None:
         """Remember every ratio measured in this window (a fresh measurement replaces the old one)."""
-        for store, ratios in ((self.plain, plain), (self.excess, excess)):
+        by_k = {(label, k): r for label, ks in (excess_by_k or {}).items() for k, r in ks.items()}
+        stores: tuple[tuple[dict, Mapping], ...] = (
+            (self.plain, plain),
+            (self.excess, excess),
+            (self.excess_by_k, by_k),
+        )
+        for store, ratios in stores:
             entries = store.setdefault(group, {})
-            entries.update({label: (r, now) for label, r in ratios.items()})
-            for label in [lb for lb, (_, at) in entries.items() if now - at >= self.ttl_s]:
-                del entries[label]
+            entries.update({key: (r, now) for key, r in ratios.items()})
+            for key in [key for key, (_, at) in entries.items() if now - at >= self.ttl_s]:
+                del entries[key]
 
     def recall(self, group: Hashable, now: float) -> Remembered:
         """The group's unexpired ratios, (plain, excess), per bucket."""
@@ -152,6 +208,14 @@ class RatioMemory:
             {label: r for label, (r, at) in store.get(group, {}).items() if now - at < self.ttl_s}
             for store in (self.plain, self.excess)
         )
+
+    def recall_by_k(self, group: Hashable, now: float) -> dict[str, dict[int, float]]:
+        """The group's unexpired excess ratios per bucket and K."""
+        out: dict[str, dict[int, float]] = {}
+        for (label, k), (r, at) in self.excess_by_k.get(group, {}).items():
+            if now - at < self.ttl_s:
+                out.setdefault(label, {})[k] = r
+        return out
 
 
 def _excess_ratio(prior: StepCostPrior, s: BucketStats, batch: float, plain_ratio: float) -> float:
@@ -173,6 +237,45 @@ def _excess_ratio(prior: StepCostPrior, s: BucketStats, batch: float, plain_rati
     return max(measured / predicted, EXCESS_RATIO_FLOOR) if predicted > 0 else 1.0
 
 
+def _excess_ratios_by_k(
+    prior: StepCostPrior, s: BucketStats, batch: float, plain_ratio: float
+) -> dict[int, float]:
+    """The excess ratio (`_excess_ratio`) of each K verified in at least MIN_STEPS steps of the bucket."""
+    plain = prior.step_s(batch, 0)
+    out: dict[int, float] = {}
+    for k, n in s.steps_by_k.items():
+        predicted = prior.step_s(batch, k) - plain
+        if k > 0 and n >= MIN_STEPS and k in s.seconds_by_k and predicted > 0:
+            measured = s.seconds_by_k[k] / n - plain_ratio * plain
+            out[k] = max(measured / predicted, EXCESS_RATIO_FLOOR)
+    return out
+
+
+def _affine_excess(
+    excess_s: Mapping[int, float], predicted_s: Mapping[int, float]
+) -> tuple[float, float] | None:
+    """What speculation adds to a step, measured at two or more Ks, fitted as a fixed part plus a part in
+    proportion to the prior's: excess(K) = fixed + r·predicted(K), by least squares over the Ks measured.
+    None when fewer than two Ks were measured, or when the fit needs a negative fixed part (the prior's
+    shape then fits at least as well: the proportional ratio stands). The slope is kept at or above
+    EXCESS_RATIO_FLOOR: a measured flat excess is a fixed cost, not a free K."""
+    ks = sorted(excess_s)
+    if len(ks) < 2:
+        return None
+    ratio = {k: excess_s[k] / predicted_s[k] for k in (ks[0], ks[-1])}
+    if ratio[ks[0]] < AFFINE_SHAPE_GAP * ratio[ks[-1]]:
+        return None
+    xs, ys = [predicted_s[k] for k in ks], [excess_s[k] for k in ks]
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - x_mean) ** 2 for x in xs)
+    if spread <= 0:
+        return None
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / spread
+    slope = max(slope, EXCESS_RATIO_FLOOR)
+    fixed = y_mean - slope * x_mean
+    return (fixed, slope) if fixed > 0 else None
+
+
 class CalibratedCost:
     """Step time per bucket and K, calibrated in two parts on what the fleet measured in that bucket:
 
@@ -187,7 +290,17 @@ class CalibratedCost:
     for that long.) A bucket without its own measurement in the window uses the ratio remembered from an
     earlier one (`remembered`: plain, excess), else borrows the median ratio of those measured in the
     window, else of those remembered: a measurement, however old within the memory's TTL, outranks the
-    prior."""
+    prior.
+
+    Where a bucket's speculative steps were measured at two or more Ks (in the window, else remembered
+    per K: `remembered_by_k`), the excess takes their shape instead of the prior's:
+
+        T(b, K) = T₀(b)·r₀(b) + c(b) + (T₀(b, K) − T₀(b))·s(b)
+
+    c, a fixed cost per speculative step, and s, the slope, fitted on the Ks measured (`_affine_excess`).
+    A drafter whose step costs the same at any K (an n-gram lookup behind an RPC, on a CPU) then looks no
+    cheaper at K = 1 than it measured at K = 4, where one ratio would have scaled its measured cost down
+    with the prior's."""
 
     def __init__(
         self,
@@ -196,6 +309,7 @@ class CalibratedCost:
         bounds: Sequence[int],
         sibling_excess: float | None = None,
         remembered: Remembered = ({}, {}),
+        remembered_by_k: RememberedByK | None = None,
     ) -> None:
         self.prior = prior
         self._memo: dict[tuple[str, int, float | None], float] = {}
@@ -212,17 +326,30 @@ class CalibratedCost:
             if s is not None and s.steps_plain >= MIN_STEPS and s.tokens_plain > 0:
                 batch = min(max(s.tokens_plain / s.steps_plain, lo), hi)  # one token per sequence per step
             elif s is not None and s.steps_spec >= MIN_STEPS and s.drafts > 0:
-                batch = min(max(s.drafts / s.steps_spec, lo), hi)  # one draft per sequence per step
+                batch = min(max(spec_sequences(s) / s.steps_spec, lo), hi)
             self.batch[label] = batch
             if s is None:
                 continue
             if s.steps_plain >= MIN_STEPS:
                 self.plain_ratio[label] = (s.seconds_plain / s.steps_plain) / prior.step_s(batch, 0)
             if s.steps_spec >= MIN_STEPS and s.drafts > 0:
-                speculative[label] = (s, min(max(s.drafts / s.steps_spec, lo), hi))
+                speculative[label] = (s, min(max(spec_sequences(s) / s.steps_spec, lo), hi))
         self._plain_default = _median(self.plain_ratio.values(), _median(self.remembered_plain.values(), 1.0))
+        self.excess_by_k: dict[str, dict[int, float]] = {}  # measured in the window, per bucket and K
         for label, (s, spec_batch) in speculative.items():
             self.excess_ratio[label] = _excess_ratio(prior, s, spec_batch, self.ratio(label, 0))
+            if by_k := _excess_ratios_by_k(prior, s, spec_batch, self.ratio(label, 0)):
+                self.excess_by_k[label] = by_k
+        # (c, s) per bucket measured at two or more Ks; a K measured now replaces the one remembered.
+        self.affine: dict[str, tuple[float, float]] = {}
+        for label in self.ranges:
+            ratios = {**(remembered_by_k or {}).get(label, {}), **self.excess_by_k.get(label, {})}
+            b = self.batch[label]
+            plain = prior.step_s(b, 0)
+            predicted = {k: prior.step_s(b, k) - plain for k in ratios}
+            fit = _affine_excess({k: r * predicted[k] for k, r in ratios.items()}, predicted)
+            if fit is not None and not __import__("os").environ.get("NO_AFFINE"):
+                self.affine[label] = fit
         # Without speculative measurements of its own, a group borrows how much costlier than predicted
         # speculation ran in sibling groups (same model and GPU, another drafter): the verify overhead
         # belongs to the engine, not to the drafter.
@@ -265,7 +392,10 @@ class CalibratedCost:
             b = self.batch[label] if batch is None else batch
             plain = self.prior.step_s(b, 0)
             t = plain * self.ratio(label, 0)
-            if k > 0:
+            if k > 0 and label in self.affine:
+                fixed, slope = self.affine[label]
+                t += fixed + (self.prior.step_s(b, k) - plain) * slope
+            elif k > 0:
                 t += (self.prior.step_s(b, k) - plain) * self.ratio(label, k)
             self._memo[key] = t
         return self._memo[key]
@@ -294,7 +424,7 @@ def best_k(
 ) -> BucketChoice:
     """The K in 1..max_k with the highest goodput gain E(K)·T(b,0)/T(b,K), and that gain."""
     t0 = cost.step_s(label, 0, batch)
-    tokens = expected_tokens_by_k(acc.alphas, max_k)
+    tokens = acc.step_tokens_by_k(max_k)
     return _best_of(tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch) for k in range(1, max_k + 1)))
 
 
