@@ -30,7 +30,7 @@ from specserve_operator.simulator.traces import (
     window,
     write_trace,
 )
-from specserve_operator.tuner import core
+from specserve_operator.tuner import core, observations
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -434,3 +434,22 @@ def test_shadow_drafts_bring_the_fleet_to_the_drafter_the_traffic_turned_to(
     code_phase = [d for t, d in blind.decisions if t >= 900]
     assert blind.state.drafter == "draft-1b" and not any(d.action == "switchDrafter" for d in code_phase)
     assert s["specserve"]["tpot_mean_ms"] < 0.9 * s_blind["specserve"]["tpot_mean_ms"]
+
+
+def test_the_specserve_fleets_counters_add_up_as_an_engines_do(tmp_path: Path) -> None:
+    """Speculative step counters carry the K verified, and generated tokens are sequence-steps plus
+    accepted tokens: for a drafter that always proposes (the draft model), exactly one draft per
+    sequence-step, so the proposal rate the tuner reads is 1."""
+    cfg = SimConfig(pods=2, policies=("specserve",))
+    sim = FleetSim(cfg, _constant(tmp_path, rate=4.0, seconds=300))
+    sim.run()
+    i, d = 0, 0  # pod, drafter: the draft model, in force from the first decision on
+    assert sim.c_steps[i, d, :, 1:].sum() > 0, "the fleet never speculated"
+    spec_tokens = sim.c_tokens[i, d, :, 1:].sum(axis=-1)
+    sequences = spec_tokens - sim.c_acc[i, d]
+    assert np.allclose(sequences, sim.c_drafts[i, d], rtol=1e-6)
+    rows = sim._rows(sim._counters(), tuple(np.zeros_like(a) for a in sim._counters()), sim._counters())
+    ks = {
+        lab.get("k") for kind, lab, _ in rows if kind == observations.STEPS and lab["speculating"] == "true"
+    }
+    assert ks and None not in ks and all(1 <= int(k) <= 5 for k in ks)
