@@ -2,14 +2,15 @@
 simulator's truths"), specserve against the strongest alternatives on the same arrivals, a low-batch TPOT
 check, and one decision tick over 1,000 resources × 8 pods against a stub Prometheus.
 
-    .venv/bin/python benchmarks/controller_bench.py            # everything (~10 minutes on 2 idle cores)
+    .venv/bin/python benchmarks/controller_bench.py            # everything (~14 minutes on 2 idle cores)
     .venv/bin/python benchmarks/controller_bench.py --scale    # only the scale tick (used internally)
 
 Per trace and truth: the best static table in hindsight (a sweep), then off, that table, the SGLang-style
 EMA policy, the per-bucket bandit, specserve, the oracle and the clairvoyant side by side: TPOT mean and
 p95 overall and per hour, switches; and each policy's capacity, the largest multiple of the trace's
 arrival rates at which p95 TPOT and p95 queueing stay within the truth's SLO (bisection, around the
-trace's peak).
+trace's peak); and specserve against that table on two more seeds of the simulator (the spread of one
+run's ratio).
 Writes benchmarks/results/controller.json and controller_<trace>_<truth>.png, and prints a table.
 """
 
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -66,6 +68,10 @@ CAPACITY_MAX_PROBES = 24  # ... or this many probes have run
 CAPACITY_WINDOW_S = (3600.0, 1800.0)  # before and after the trace's peak
 CAPACITY_PODS = 8  # as the main runs: a canary pod is the same share of the fleet
 SWEEP_PODS = 1
+# One run is one path through the day: a decision that differs once changes the rest of it. specserve
+# and the best static table (the seed's sweep winner) run again on these seeds of the simulator (other
+# arrivals' sizes and domains, other acceptance luck) to show the spread of the headline ratio.
+SPREAD_SEEDS = (2, 3)
 GOALS = {
     "specserve_vs_oracle_tpot": 0.97,
     "specserve_vs_best_static_tpot": 1.0,
@@ -161,6 +167,24 @@ def capacity(cfg: SimConfig, trace: Trace, slo: dict) -> dict:
     }
 
 
+def seed_spread(cfg: SimConfig, trace: Trace, main: dict[str, dict]) -> dict:
+    """specserve against the best static table on the main run's seed and on SPREAD_SEEDS: overall TPOT
+    ratio per seed, and its median and range."""
+    values = [ratio(main["best_static"]["tpot_mean_ms"], main["specserve"]["tpot_mean_ms"])]
+    for seed in SPREAD_SEEDS:
+        pair = summaries(
+            FleetSim(replace(cfg, seed=seed, policies=("best_static", "specserve")), trace), trace.duration_s
+        )
+        values.append(ratio(pair["best_static"]["tpot_mean_ms"], pair["specserve"]["tpot_mean_ms"]))
+    return {
+        "seeds": [cfg.seed, *SPREAD_SEEDS],
+        "specserve_vs_best_static_tpot": values,
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
 def ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 4) if num and den else None
 
@@ -178,6 +202,7 @@ def simulate(truth: str, trace_path: Path, quantum_s: float | None) -> dict:
     sim = FleetSim(cfg, trace)
     policies = summaries(sim, trace.duration_s)
     cap = capacity(cfg, trace, SLO[truth])
+    spread = seed_spread(cfg, trace, policies)
     spec = policies["specserve"]
     hourly = []
     for h, row in enumerate(spec["hourly"]):
@@ -219,6 +244,7 @@ def simulate(truth: str, trace_path: Path, quantum_s: float | None) -> dict:
         "policies": policies,
         "specserve_vs_best_static_hourly_tpot": hourly,
         "capacity": cap,
+        "seed_spread": spread,
         "ratios": ratios,
         "reference_ratios": reference,
         "controller_s": round(sim.controller_s, 2),
@@ -476,6 +502,10 @@ def print_table(runs: list[dict], summary: dict) -> None:
                 f"{where:<26}{name:<13}{s['tpot_mean_ms']:>9.2f}{s['tpot_p95_ms']:>9.2f}"
                 f"{r['capacity']['multiplier'][name]:>10.3f}{s['switches']:>10}"
             )
+    for r in runs:
+        spread = r["seed_spread"]
+        values = ", ".join(f"{v:.3f}" for v in spread["specserve_vs_best_static_tpot"])
+        print(f"{r['trace']}/{r['truth']:<14} specserve / best static on seeds {spread['seeds']}: {values}")
     for key, g in summary.items():
         state = "met" if g["met"] else f"MISSED by {g.get('missed_by')}"
         print(f"{key:<44}{g['worst']!s:>10}  {g.get('where', ''):<26}{state}")
