@@ -386,9 +386,9 @@ def _steps_at_ks(p: costmodel.StepCostPrior, batch: float, true_step, ks: tuple[
 
 def test_a_fixed_cost_per_speculative_step_measured_at_two_ks_is_fitted_not_scaled_away() -> None:
     """An n-gram drafter behind an RPC on a CPU: a speculative step costs a fixed 0.7 ms more at any K,
-    far from the prior's few microseconds per K. Measured at K = 1 and K = 4, the fit prices K = 2, 3 and 5
-    as they are; one ratio (measured at K = 4 only) prices what K = 1 adds at about a quarter of it, and picks a K
-    too small for the acceptance."""
+    far from the prior's few microseconds per K. Measured at K = 1 and K = 4, the fit prices K = 2, 3
+    and 5 as they are; one ratio (measured at K = 4 only) prices what K = 1 adds at about a quarter of
+    it, and picks a K too small for the acceptance."""
     p = prior("ngram")
     label, batch = "1", 1.0
 
