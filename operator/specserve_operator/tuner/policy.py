@@ -107,22 +107,7 @@ def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = No
     The proposal rate is drafts over the sequences of the drafter's speculative steps
     (`spec_sequences`), over the metrics window."""
     rows = spec_sequences(stats)
-    rate = (
-        min(1.0, stats.drafts / rows)
-        if rows >= MIN_DRAFTS and stats.drafts > 0 and not __import__("os").environ.get("NO_RATE")
-        else 1.0
-    )
-    if __import__("os").environ.get("DEBUG_RATE") and rate < 0.97:
-        print(
-            "RATE",
-            round(rate, 3),
-            round(stats.drafts),
-            round(rows),
-            round(stats.tokens_spec),
-            round(stats.accepted),
-            round(stats.steps_spec),
-            round(stats.draft_tokens),
-        )
+    rate = min(1.0, stats.drafts / rows) if rows >= MIN_DRAFTS and stats.drafts > 0 else 1.0
     alphas: list[float] = []
     prev_survival = 1.0
     for pos in range(max_k):
@@ -348,7 +333,7 @@ class CalibratedCost:
             plain = prior.step_s(b, 0)
             predicted = {k: prior.step_s(b, k) - plain for k in ratios}
             fit = _affine_excess({k: r * predicted[k] for k, r in ratios.items()}, predicted)
-            if fit is not None and not __import__("os").environ.get("NO_AFFINE"):
+            if fit is not None:
                 self.affine[label] = fit
         # Without speculative measurements of its own, a group borrows how much costlier than predicted
         # speculation ran in sibling groups (same model and GPU, another drafter): the verify overhead
