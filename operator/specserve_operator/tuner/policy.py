@@ -2,12 +2,14 @@
 
 Per (model, drafter, GPU) group and batch-size bucket b:
 
-    E(K)     = 1 + Σ_{i=1..K} Π_{j≤i} α_j          tokens per verify step, from per-position acceptance
-    gain(K)  = E(K) · T(b, 0) / T(b, K)             goodput with K over goodput without speculation
+    E(K)     = 1 + Σ_{i=1..K} Π_{j≤i} α_j          tokens per draft verified, from per-position acceptance
+    E_s(K)   = 1 + rate · (E(K) − 1)                tokens per sequence and step (rate: the share drafted)
+    gain(K)  = E_s(K) · T(b, 0) / T(b, K)           goodput with K over goodput without speculation
     K*(b)    = argmax_K gain(K); speculate in b only where gain(K*) ≥ minGain
 
 T(b, K) is the roofline prior (costmodel.py) calibrated by what the fleet measured in that bucket
-(`CalibratedCost`: the plain step and what speculation adds to it, each on its own).
+(`CalibratedCost`: the plain step and what speculation adds to it, each on its own, the latter with a
+fixed part where Ks measured far apart say so).
 """
 
 from __future__ import annotations
@@ -407,7 +409,7 @@ class BucketChoice:
 def best_k(
     acc: Acceptance, cost: CalibratedCost, label: str, max_k: int, batch: float | None = None
 ) -> BucketChoice:
-    """The K in 1..max_k with the highest goodput gain E(K)·T(b,0)/T(b,K), and that gain."""
+    """The K in 1..max_k with the highest goodput gain E_s(K)·T(b,0)/T(b,K), and that gain."""
     t0 = cost.step_s(label, 0, batch)
     tokens = acc.step_tokens_by_k(max_k)
     return _best_of(tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch) for k in range(1, max_k + 1)))
