@@ -502,7 +502,7 @@ def print_table(runs: list[dict], summary: dict) -> None:
                 f"{where:<26}{name:<13}{s['tpot_mean_ms']:>9.2f}{s['tpot_p95_ms']:>9.2f}"
                 f"{r['capacity']['multiplier'][name]:>10.3f}{s['switches']:>10}"
             )
-    for r in runs:
+    for r in (r for r in runs if "seed_spread" in r):  # runs kept from an older file may lack it
         spread = r["seed_spread"]
         values = ", ".join(f"{v:.3f}" for v in spread["specserve_vs_best_static_tpot"])
         print(f"{r['trace']}/{r['truth']:<14} specserve / best static on seeds {spread['seeds']}: {values}")
