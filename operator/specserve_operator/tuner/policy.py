@@ -331,6 +331,8 @@ class CalibratedCost:
         self.affine: dict[str, tuple[float, float]] = {}
         for label in self.ranges:
             ratios = {**(remembered_by_k or {}).get(label, {}), **self.excess_by_k.get(label, {})}
+            if len(ratios) < 2:  # nothing to fit: skip the prior's step times (every bucket, every tick)
+                continue
             b = self.batch[label]
             plain = prior.step_s(b, 0)
             predicted = {k: prior.step_s(b, k) - plain for k in ratios}
