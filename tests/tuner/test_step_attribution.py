@@ -126,3 +126,13 @@ def test_k_counters_without_their_step_count_are_dropped() -> None:
     bucket = snap.pods[(NS, "pod-a")].buckets["4"]
     assert bucket.seconds_by_k == {} and bucket.steps_spec == 300
     assert snap.dropped.get(observations.DROP_INCONSISTENT)
+
+
+def test_a_k_that_ran_before_the_window_is_not_a_fault() -> None:
+    # K 2 ran earlier: its series exist and did not grow in the window. That is no contradiction (a
+    # real engine whose controller moved K reported it so, and the pod was flagged as sending bad data).
+    rows = _steps("pod-a", "4", True, "d", 300, 0.01, k="4") + _steps("pod-a", "4", True, "d", 0, 0.01, k="2")
+    snap = observations.build_snapshot(rows, 300.0)
+    obs = snap.pods[(NS, "pod-a")]
+    assert snap.dropped == {} and obs.dropped == 0
+    assert obs.by_drafter["d"]["4"].steps_by_k == {4: 300}

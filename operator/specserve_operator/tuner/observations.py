@@ -457,7 +457,10 @@ def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
         b.steps_by_k, b.seconds_by_k = {}, {}
     for k in set(b.steps_by_k) | set(b.seconds_by_k):  # the same rules for each K's share
         steps, seconds = b.steps_by_k.get(k, 0.0), b.seconds_by_k.get(k, 0.0)
-        if _step_time_fault(steps, seconds) is not None:
+        if steps == seconds == 0:  # a K used before the window: its series exists and did not grow
+            b.steps_by_k.pop(k, None)
+            b.seconds_by_k.pop(k, None)
+        elif _step_time_fault(steps, seconds) is not None:
             snap.drop(DROP_INCONSISTENT if steps == 0 else DROP_IMPLAUSIBLE)
             dropped += 1
             b.steps_by_k.pop(k, None)
