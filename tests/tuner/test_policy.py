@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -204,6 +205,41 @@ def test_an_excess_dearer_than_the_prior_makes_large_k_dear_not_small_k() -> Non
         assert cost.step_s(label, k) == pytest.approx(true_step(k))
     whole_step_factor = true_step(4) / p.step_s(batch, 4)
     assert p.step_s(batch, 1) * whole_step_factor > 1.1 * true_step(1)
+
+
+def test_steps_where_part_of_the_batch_drafted_price_a_whole_drafting_batch_in_full() -> None:
+    """A bucket's speculative steps ran with a quarter of the batch drafting (a draft model's steps at
+    the edge of a bucket switched off), each adding a quarter of the excess the prior predicts for the
+    whole batch. Priced for a whole batch drafting, the excess is the prior's in full, not a quarter:
+    measured as if all had drafted, those steps had made speculation at batch 16 look cheap."""
+    p = prior()
+    label, batch, steps = "16", 15.0, 400
+    excess = p.step_s(batch, 4) - p.step_s(batch, 0)
+    accepted = steps * batch / 4 * 2.0
+    partly_drafted = BucketStats(
+        steps_plain=steps,
+        seconds_plain=steps * p.step_s(batch, 0),
+        tokens_plain=steps * batch,
+        steps_spec=steps,
+        seconds_spec=steps * (p.step_s(batch, 0) + excess / 4),
+        tokens_spec=steps * batch + accepted,
+        drafts=steps * batch / 4,
+        draft_tokens=steps * batch,
+        accepted=accepted,
+        steps_by_k={4: steps},
+        seconds_by_k={4: steps * (p.step_s(batch, 0) + excess / 4)},
+    )
+    assert tuner_policy.proposal_rate(partly_drafted) == pytest.approx(0.25)
+    cost = tuner_policy.CalibratedCost(p, {label: partly_drafted}, BOUNDS)
+    assert cost.ratio(label, 4) == pytest.approx(1.0)
+    assert cost.step_s(label, 4) == pytest.approx(p.step_s(batch, 4))
+    assert cost.step_s(label, 4, rate=0.25) == pytest.approx(p.step_s(batch, 0) + excess / 4)
+    whole = tuner_policy.best_k(flat_acceptance(0.6), cost, label, 4)
+    quarter = tuner_policy.best_k(replace(flat_acceptance(0.6), proposal_rate=0.25), cost, label, 4)
+    assert whole.gain == pytest.approx(
+        tuner_policy.expected_tokens((0.6,) * 4, whole.k) * p.step_s(batch, 0) / p.step_s(batch, whole.k)
+    )
+    assert quarter.gain != pytest.approx(whole.gain)
 
 
 def test_a_measured_excess_below_the_floor_is_raised_to_it() -> None:

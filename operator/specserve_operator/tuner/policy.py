@@ -98,6 +98,12 @@ def spec_sequences(s: BucketStats) -> float:
     return rows if rows >= s.drafts else s.drafts
 
 
+def proposal_rate(s: BucketStats) -> float:
+    """Drafts over the sequences of speculative steps (`spec_sequences`); 1 with too few to tell."""
+    rows = spec_sequences(s)
+    return min(1.0, s.drafts / rows) if rows >= MIN_DRAFTS and s.drafts > 0 else 1.0
+
+
 def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = None) -> Acceptance:
     """Per-position conditional acceptance from pooled counters.
 
@@ -108,8 +114,7 @@ def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = No
 
     The proposal rate is drafts over the sequences of the drafter's speculative steps
     (`spec_sequences`), over the metrics window."""
-    rows = spec_sequences(stats)
-    rate = min(1.0, stats.drafts / rows) if rows >= MIN_DRAFTS and stats.drafts > 0 else 1.0
+    rate = proposal_rate(stats)
     alphas: list[float] = []
     prev_survival = 1.0
     for pos in range(max_k):
@@ -210,7 +215,13 @@ def _excess_ratio(prior: StepCostPrior, s: BucketStats, batch: float, plain_rati
     beyond a plain step at the same batch (drafting, and verifying K more tokens per sequence), the plain
     part at the bucket's measured plain ratio. Steps counted by the K they verified are predicted at that
     K each (a window where K changed is not one step at the mean K); otherwise all at the mean draft
-    length."""
+    length.
+
+    The prediction is for the sequences that got a draft (`proposal_rate`): a step where a quarter of
+    the batch drafted verifies a quarter of the extra tokens, and measured as if all had, it would make
+    speculation look cheap wherever the whole batch drafts. (A draft model's steps in a bucket switched
+    off, at the edge of one switched on, ran with a quarter drafted and turned a measured loss at
+    batch 16 into a predicted gain.) `CalibratedCost.step_s` prices the excess at the rate expected."""
     ks = [k for k, n in s.steps_by_k.items() if n > 0 and k in s.seconds_by_k]
     if sum(s.steps_by_k[k] for k in ks) >= MIN_STEPS:
         steps = {k: s.steps_by_k[k] for k in ks}
@@ -219,7 +230,7 @@ def _excess_ratio(prior: StepCostPrior, s: BucketStats, batch: float, plain_rati
         steps = {max(1, round(s.draft_tokens / s.drafts)): s.steps_spec}
         seconds = s.seconds_spec
     plain = prior.step_s(batch, 0)
-    predicted = sum(n * (prior.step_s(batch, k) - plain) for k, n in steps.items())
+    predicted = proposal_rate(s) * sum(n * (prior.step_s(batch, k) - plain) for k, n in steps.items())
     measured = seconds - plain_ratio * plain * sum(steps.values())
     return max(measured / predicted, EXCESS_RATIO_FLOOR) if predicted > 0 else 1.0
 
@@ -229,9 +240,10 @@ def _excess_ratios_by_k(
 ) -> dict[int, float]:
     """The excess ratio (`_excess_ratio`) of each K verified in at least MIN_STEPS steps of the bucket."""
     plain = prior.step_s(batch, 0)
+    rate = proposal_rate(s)
     out: dict[int, float] = {}
     for k, n in s.steps_by_k.items():
-        predicted = prior.step_s(batch, k) - plain
+        predicted = rate * (prior.step_s(batch, k) - plain)
         if k > 0 and n >= MIN_STEPS and k in s.seconds_by_k and predicted > 0:
             measured = s.seconds_by_k[k] / n - plain_ratio * plain
             out[k] = max(measured / predicted, EXCESS_RATIO_FLOOR)
@@ -299,7 +311,7 @@ class CalibratedCost:
         remembered_by_k: RememberedByK | None = None,
     ) -> None:
         self.prior = prior
-        self._memo: dict[tuple[str, int, float | None], float] = {}
+        self._memo: dict[tuple[str, int, float | None], tuple[float, float]] = {}
         self.ranges = bucket_bounds_of(bounds)
         self.batch: dict[str, float] = {}
         self.plain_ratio: dict[str, float] = {}
@@ -374,19 +386,25 @@ class CalibratedCost:
             return self.plain_ratio.get(label, self.remembered_plain.get(label, self._plain_default))
         return self.excess_ratio.get(label, self.remembered_excess.get(label, self._excess_default))
 
-    def step_s(self, label: str, k: int, batch: float | None = None) -> float:
-        # Memoised: one group's cost serves every resource of that group in a tick.
+    def step_s(self, label: str, k: int, batch: float | None = None, rate: float = 1.0) -> float:
+        """Step time at K with a share `rate` of the batch drafting (the excess scales with it)."""
+        plain, excess = self._parts(label, k, batch)
+        return plain + rate * excess
+
+    def _parts(self, label: str, k: int, batch: float | None) -> tuple[float, float]:
+        """A step's plain time and its excess at K for a whole batch drafting. Memoised without the rate:
+        one group's cost serves every resource of that group in a tick, each at its own rate."""
         key = (label, k, batch)
         if key not in self._memo:
             b = self.batch[label] if batch is None else batch
             plain = self.prior.step_s(b, 0)
-            t = plain * self.ratio(label, 0)
+            excess = 0.0
             if k > 0 and label in self.affine:
                 fixed, slope = self.affine[label]
-                t += fixed + (self.prior.step_s(b, k) - plain) * slope
+                excess = fixed + (self.prior.step_s(b, k) - plain) * slope
             elif k > 0:
-                t += (self.prior.step_s(b, k) - plain) * self.ratio(label, k)
-            self._memo[key] = t
+                excess = (self.prior.step_s(b, k) - plain) * self.ratio(label, k)
+            self._memo[key] = (plain * self.ratio(label, 0), excess)
         return self._memo[key]
 
 
@@ -414,7 +432,10 @@ def best_k(
     """The K in 1..max_k with the highest goodput gain E_s(K)·T(b,0)/T(b,K), and that gain."""
     t0 = cost.step_s(label, 0, batch)
     tokens = acc.step_tokens_by_k(max_k)
-    return _best_of(tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch) for k in range(1, max_k + 1)))
+    rate = acc.proposal_rate
+    return _best_of(
+        tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch, rate) for k in range(1, max_k + 1))
+    )
 
 
 def _best_of(gains: tuple[float, ...]) -> BucketChoice:
