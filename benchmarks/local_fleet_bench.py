@@ -185,6 +185,11 @@ def main() -> None:
         "--add", action="store_true", help="keep the sessions already in the results file and add these"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="copy each session's run folder (Prometheus data, logs, report) here, to look into later",
+    )
     args = parser.parse_args()
     results = args.out / "local_fleet.json"
     sessions = _previous_sessions(results) if args.add else []
@@ -207,6 +212,8 @@ def main() -> None:
             (run_dir,) = Path(tmp).iterdir()
             shown = ["specserve", *command[1:-3]]  # without the temporary folder
             sessions.append(summarise(run_dir, time.perf_counter() - t0))
+            if args.keep:
+                shutil.copytree(run_dir, args.keep / run_dir.name)
             args.out.mkdir(parents=True, exist_ok=True)
             shutil.copy(run_dir / "report" / "tokens_per_s.png", args.out / "local_fleet.png")
         summary = combine(sessions, shown)
