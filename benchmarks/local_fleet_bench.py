@@ -47,6 +47,10 @@ SWEEP_POINT_S = 8.0
 MAX_TOKENS = 64
 
 
+def _not_files(folder: str, names: list[str]) -> list[str]:
+    return [n for n in names if not (Path(folder) / n).is_file() and not (Path(folder) / n).is_dir()]
+
+
 def summarise(run_dir: Path, wall_s: float) -> dict:
     """One session's figures, from its data.json."""
     data = load_report_input(run_dir / "report" / "data.json")
@@ -212,8 +216,8 @@ def main() -> None:
             (run_dir,) = Path(tmp).iterdir()
             shown = ["specserve", *command[1:-3]]  # without the temporary folder
             sessions.append(summarise(run_dir, time.perf_counter() - t0))
-            if args.keep:
-                shutil.copytree(run_dir, args.keep / run_dir.name)
+            if args.keep:  # files only: a sidecar's socket may be left in the pod's runtime folder
+                shutil.copytree(run_dir, args.keep / run_dir.name, ignore=_not_files)
             args.out.mkdir(parents=True, exist_ok=True)
             shutil.copy(run_dir / "report" / "tokens_per_s.png", args.out / "local_fleet.png")
         summary = combine(sessions, shown)
