@@ -223,6 +223,34 @@ def test_measured_truth_replays_the_recording(tmp_path: Path) -> None:
     assert list(lib.accepted[1, 0, 0, :4]) == [2, -1, 2, 2] and lib.lengths[0, 1, 0] == 3
 
 
+def test_measured_truth_prices_the_share_that_drafted(tmp_path: Path) -> None:
+    """n-gram drafts for part of a batch: the part of a speculative step that grows with K grows with the
+    share of sequences that got a draft, against the share drafting while the step times were recorded
+    (code and prose alternating). At that share the step is the recording's."""
+    data = truths.load_measured(_recording(tmp_path / "m.json"))
+    truth = truths.MeasuredCpuTruth(data)
+    # Recorded (one sequence per domain, the fewest any kept): n-gram proposed in 3 of 4 code steps and
+    # 1 of 2 prose steps; the small model always.
+    assert data.recorded_share == pytest.approx([1.0, 2 / 3])
+    # n-gram's recorded excess: 1 ms at K 1 and 2 ms at K 2 at batch 8 (1 ms per K); 1 ms at either K at
+    # batch 1 (none per K: all of it per step).
+    assert data.excess_per_k[1, [0, 3]] == pytest.approx([0.0, 0.001])
+
+    def ngram(batch: float, k: int, drafted: float | None) -> float:
+        shares = None if drafted is None else np.array([drafted])
+        return float(truth.step_s(np.array([batch]), np.array([k]), np.zeros(1), np.array([1]), shares)[0])
+
+    assert ngram(8, 2, 2 / 3) == pytest.approx(ngram(8, 2, None)) == pytest.approx(0.018)
+    assert ngram(8, 2, 1.0) == pytest.approx(0.018 + 0.001 * 2 * (3 / 2 - 1))
+    assert ngram(8, 1, 1 / 3) == pytest.approx(0.017 - 0.001 * 0.5)
+    assert ngram(1, 2, 0.0) == pytest.approx(0.011)  # the per-step part stays
+    assert ngram(8, 0, 0.0) == ngram(8, 0, 1.0) == pytest.approx(0.016)
+    # The gpu truth verifies the whole batch at K, drafted or not.
+    gpu = fleet.make_truth(SimConfig())
+    args = (np.array([8.0]), np.array([3.0]), np.array([512.0]), np.array([1]))
+    assert gpu.step_s(*args, np.array([0.2]))[0] == gpu.step_s(*args)[0]
+
+
 def test_committed_cpu_recording_is_sane() -> None:
     data = truths.load_measured(truths.DEFAULT_MEASURED)
     assert data.step_s.shape == (len(data.drafters), data.max_k + 1, len(data.batches))

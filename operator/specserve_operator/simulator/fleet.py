@@ -464,7 +464,9 @@ class FleetSim:
         tokens = (mean * active).sum(axis=-1).transpose(2, 1, 0)  # [pods, nd, K+1]
         ks = np.arange(mk + 1)[None, None, :]
         ds = np.arange(nd)[None, :, None]
-        t = self.truth.step_s(batch[:, None, None].astype(float), ks, ctx[:, None, None], ds)
+        share = self.library.proposal_share[:, self.dom[sl], self.seq[sl]]  # [nd, pods, slots]
+        drafted = ((share * active).sum(axis=-1) / np.maximum(active.sum(axis=-1), 1)).T[:, :, None]
+        t = self.truth.step_s(batch[:, None, None].astype(float), ks, ctx[:, None, None], ds, drafted)
         good = np.where(ks <= self.k_cap[None, :, None], tokens / t, -np.inf)
         # One drafter for the whole fleet at a time (as pods run one drafter each, switched by the
         # controller), the one with the most goodput right now; K per pod and step.
@@ -577,7 +579,9 @@ class FleetSim:
             ctx = np.where(batch > 0, ctx_sum / np.maximum(batch, 1), 0.0)
             k, d = self._policy_k(t, batch, bidx, ctx)
             k = np.minimum(k, self.k_cap[d])
-            step = self.truth.step_s(batch.astype(float), k.astype(float), ctx, d)
+            share = self.library.proposal_share[d[:, None], self.dom, self.seq]
+            drafted = (share * active).sum(axis=1) / np.maximum(batch, 1)
+            step = self.truth.step_s(batch.astype(float), k.astype(float), ctx, d, drafted)
             steps = np.where(batch > 0, decode / step, 0.0)
 
             r_act, s_act = np.nonzero(active)
@@ -761,6 +765,7 @@ def bucket_goodput(cfg: SimConfig, trace: Trace) -> np.ndarray:
     code = float((trace.code * weights).sum() / max(weights.sum(), 1e-12))
     mix = np.array([code, 1.0 - code])
     per_step = (lib.mean_tokens.mean(axis=-1) * mix[None, None, :]).sum(axis=-1)  # [K+1, nd]
+    drafted = lib.proposal_share.mean(axis=-1) @ mix  # [nd]
     ctx = float(mix @ (np.array(cfg.prompt_mean) + np.array(cfg.output_mean) / 2))
     bounds = [min(b, cfg.max_num_seqs) for b in DEFAULT_BUCKETS] + [cfg.max_num_seqs]
     caps = [min(dr.spec.max_speculative_tokens, lib.max_k) for dr in cfg.drafters]
@@ -769,7 +774,11 @@ def bucket_goodput(cfg: SimConfig, trace: Trace) -> np.ndarray:
     for i in range(nd):
         for j, b in enumerate(bounds):
             t = truth.step_s(
-                np.full(len(ks), float(b)), ks.astype(float), np.full(len(ks), ctx), np.full(len(ks), i)
+                np.full(len(ks), float(b)),
+                ks.astype(float),
+                np.full(len(ks), ctx),
+                np.full(len(ks), i),
+                np.full(len(ks), drafted[i]),
             )
             out[i, j] = np.where(ks <= caps[i], b * per_step[:, i] / t, 0.0)
     return out

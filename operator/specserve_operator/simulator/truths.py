@@ -62,6 +62,9 @@ class AcceptanceLibrary:
         ends = np.take_along_axis(tokens, np.broadcast_to(self.lengths, tokens.shape[:-1])[..., None], -1)
         # Tokens per step of each sequence over its whole length, per K: [K+1, nd, 2, Q].
         object.__setattr__(self, "mean_tokens", ends[..., 0] / np.maximum(self.lengths, 1))
+        # The share of each sequence's steps in which the drafter proposed anything: [nd, 2, Q].
+        proposed = ((a >= 0) & steps).sum(axis=-1)
+        object.__setattr__(self, "proposal_share", proposed / np.maximum(self.lengths, 1))
         object.__setattr__(self, "_shape", (max_k + 1, nd, 2, nq, nl + 1))
 
     @property
@@ -214,7 +217,17 @@ class GpuTruth:
             kv / (self.bw * ATTENTION_HBM_EFFICIENCY), flops / (PEAK_FLOPS * ATTENTION_FLOP_EFFICIENCY)
         )
 
-    def step_s(self, batch: np.ndarray, k: np.ndarray, ctx: np.ndarray, drafter: np.ndarray) -> np.ndarray:
+    def step_s(
+        self,
+        batch: np.ndarray,
+        k: np.ndarray,
+        ctx: np.ndarray,
+        drafter: np.ndarray,
+        drafted: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """`drafted` (the share of the batch that got a draft) is not read: the verify runs the whole batch
+        at K in one captured graph shape, drafted or not, as a padded uniform decode batch would."""
+        del drafted
         batch, k, ctx = np.asarray(batch, float), np.asarray(k, float), np.asarray(ctx, float)
         padded = padded_batch(batch)
         n = k + 1.0
@@ -268,6 +281,11 @@ class MeasuredData:
     step_s: np.ndarray  # [nd, K+1, batches]; K = 0 is the same plain step for every drafter
     library: AcceptanceLibrary
     max_num_seqs: int
+    # Per drafter and batch, how much a speculative step's excess over a plain one grows per K
+    # (`excess_fit`) [nd, batches], and the share of the sequences that drafted while the step times
+    # were recorded (code and prose prompts alternating) [nd].
+    excess_per_k: np.ndarray
+    recorded_share: np.ndarray
 
 
 def lower_envelope(values: np.ndarray) -> np.ndarray:
@@ -301,19 +319,42 @@ def load_measured(path: str | Path = DEFAULT_MEASURED) -> MeasuredData:
             for q, seq in enumerate(sequences[:count]):
                 accepted[d, dom, q, : len(seq)] = np.minimum(seq, max_k)
                 lengths[d, dom, q] = max(len(seq), 1)
+    library = AcceptanceLibrary(accepted, lengths, max_k)
+    per_k = excess_fit(step)
+    weights = library.lengths.reshape(len(names), -1)
+    recorded = (library.proposal_share.reshape(len(names), -1) * weights).sum(axis=1) / weights.sum(axis=1)
     return MeasuredData(
         drafters=data["drafters"],
         max_k=max_k,
         batches=tuple(data["batches"]),
         step_s=step,
-        library=AcceptanceLibrary(accepted, lengths, max_k),
+        library=library,
         max_num_seqs=int(data["setup"]["max_num_seqs"]),
+        excess_per_k=per_k,
+        recorded_share=recorded,
     )
+
+
+def excess_fit(step: np.ndarray) -> np.ndarray:
+    """Per drafter and batch, the least-squares slope over K = 1..max (at least 0) of what a speculative
+    step at K adds to a plain one, step[d, K, b] − step[d, 0, b]."""
+    ks = np.arange(1, step.shape[1], dtype=float)
+    excess = step[:, 1:, :] - step[:, :1, :]  # [nd, K, b]
+    dk = ks - ks.mean()
+    return np.maximum(0.0, np.einsum("k,dkb->db", dk, excess) / float((dk**2).sum()))
 
 
 class MeasuredCpuTruth:
     """Step time interpolated linearly in the batch size between the measured batches (the recording's
-    contexts are short and fixed: context does not enter)."""
+    contexts are short and fixed: context does not enter).
+
+    With `drafted`, the share of the batch that got a draft, the part of the excess that grows with K
+    grows with that share too (a CPU verifies the tokens it is given, and drafts only for those
+    sequences): the recorded step plus per_k · K · (drafted / recorded share − 1), per_k the slope of
+    the recorded excess over K (`excess_fit`). The rest of the excess (the sidecar's RPC, the sampler)
+    is per step. (On the real engine, steps at batch 16 and K 4 with a quarter of the sequences
+    drafting added 0.30 of what a whole batch drafting added. Only n-gram drafts for part of a batch
+    here, so its slope is what this moves.)"""
 
     name = "measured-cpu"
 
@@ -322,7 +363,14 @@ class MeasuredCpuTruth:
         self.library = data.library
         self.batches = np.array(data.batches, dtype=float)
 
-    def step_s(self, batch: np.ndarray, k: np.ndarray, ctx: np.ndarray, drafter: np.ndarray) -> np.ndarray:
+    def step_s(
+        self,
+        batch: np.ndarray,
+        k: np.ndarray,
+        ctx: np.ndarray,
+        drafter: np.ndarray,
+        drafted: np.ndarray | None = None,
+    ) -> np.ndarray:
         del ctx
         batch = np.asarray(batch, float)
         shape = np.broadcast(batch, k, drafter).shape
@@ -333,7 +381,13 @@ class MeasuredCpuTruth:
         lo = hi - 1
         w = (b - self.batches[lo]) / (self.batches[hi] - self.batches[lo])
         table = self.data.step_s
-        return (1 - w) * table[dd, kk, lo] + w * table[dd, kk, hi]
+        recorded = (1 - w) * table[dd, kk, lo] + w * table[dd, kk, hi]
+        if drafted is None:
+            return recorded
+        data = self.data
+        per_k = (1 - w) * data.excess_per_k[dd, lo] + w * data.excess_per_k[dd, hi]
+        share = np.broadcast_to(np.asarray(drafted, float), shape) / data.recorded_share[dd]
+        return recorded + per_k * kk * (share - 1.0)
 
     def prefill_s(self, prompt_tokens: np.ndarray) -> np.ndarray:
         """A prompt token costs what one sequence's token costs in the largest plain decode step measured
