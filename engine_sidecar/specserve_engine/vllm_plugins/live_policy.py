@@ -26,8 +26,9 @@ Depends on vLLM internals (`Scheduler.dynamic_sd_lookup`, `schedule`, `update_fr
 (tests/engine/).
 
 Setting SPECSERVE_STEP_TRACE=<path> makes the scheduler append one JSON line per executed step (batch
-size, drafts, accepted tokens, generated tokens, the K the drafter ran with), computed from the scheduler's own inputs and outputs:
-a ground-truth record to check the stat-logger plugin against, and a debugging aid.
+size, drafts, accepted tokens, generated tokens, the K the drafter ran with), computed from the
+scheduler's own inputs and outputs: a ground-truth record to check the stat-logger plugin against, and a
+debugging aid.
 """
 
 from __future__ import annotations
