@@ -15,7 +15,7 @@ from specserve_engine.policy_file import PodPolicy, PolicyReader, policy_path, w
 from specserve_engine.vllm_plugins.live_policy import lookup_for_policy
 from specserve_engine.vllm_plugins.plain_filled_blocks import PlainFilledBlocks
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
-from specserve_engine.vllm_plugins.stat_logger import k_in_force, observe_step
+from specserve_engine.vllm_plugins.stat_logger import observe_step
 
 BOUNDS = (1, 2, 4, 8)
 
@@ -98,38 +98,6 @@ def test_a_plain_step_and_a_large_batch() -> None:
     step = observe_step(SchedulerStats(iteration_details=_details(0, 20)), _iteration(20), BOUNDS)
     assert step is not None
     assert (step.bucket, step.speculating, step.drafts, step.k) == ("+Inf", False, 0, 0)
-
-
-def test_a_step_whose_drafter_found_nothing_is_speculative_without_drafts() -> None:
-    """n-gram without a match: the policy has K 3 at this batch size, the drafter ran and proposed
-    nothing. The step paid for the lookup and its sequences made one token each: a speculative step with
-    no drafts (the tuner counts the share of sequences that got one), not a plain step."""
-    p = policy(**{"1": 0, "2": 0, "4": 3, "8": 0})
-    step = observe_step(
-        SchedulerStats(iteration_details=_details(0, 3)),
-        _iteration(3),
-        BOUNDS,
-        lambda batch: k_in_force(p, None, batch),
-    )
-    assert step is not None
-    assert (step.bucket, step.speculating, step.drafts, step.k) == ("4", True, 0, 3)
-    # At a batch size the policy keeps plain, the same step is plain.
-    plain = observe_step(
-        SchedulerStats(iteration_details=_details(0, 6)),
-        _iteration(6),
-        BOUNDS,
-        lambda batch: k_in_force(p, None, batch),
-    )
-    assert plain is not None and (plain.speculating, plain.k) == (False, 0)
-
-
-def test_k_in_force_is_what_the_live_policy_scheduler_reads() -> None:
-    on = policy(**{"1": 4, "2": 3, "4": 2, "8": 1})
-    assert [k_in_force(on, None, b) for b in (1, 2, 3, 8, 9)] == [4, 3, 2, 1, 0]
-    assert k_in_force(on, "ngram", 1) == 4  # the colocated drafter is the policy's
-    assert k_in_force(on, "eagle3", 1) == 0  # another drafter in force: this engine's is off
-    assert k_in_force(policy("off", **{"1": 4}), None, 1) == 0
-    assert k_in_force(None, None, 1) == 0  # no policy file yet
 
 
 def test_messages_that_are_not_steps_are_ignored() -> None:

@@ -125,8 +125,7 @@ def _check_exact(engine: RunningEngine, steps: list[dict], before: dict, after: 
     expect: dict[tuple, float] = defaultdict(float)
     for step in steps:
         bucket = bucket_for(step["batch"], DEFAULT_BUCKETS)
-        # Speculative: the drafter ran (K above 0 for the batch) or drafts were verified.
-        speculating = "true" if any(step["drafted"]) or step["k"] > 0 else "false"
+        speculating = "true" if any(step["drafted"]) else "false"
         expect[(metric_names.ENGINE_STEPS.name, bucket, speculating)] += 1
         expect[(metric_names.ENGINE_GENERATED_TOKENS.name, bucket, speculating)] += step["generated"]
         if step["drafted"]:

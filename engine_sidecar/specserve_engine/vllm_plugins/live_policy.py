@@ -26,9 +26,8 @@ Depends on vLLM internals (`Scheduler.dynamic_sd_lookup`, `schedule`, `update_fr
 (tests/engine/).
 
 Setting SPECSERVE_STEP_TRACE=<path> makes the scheduler append one JSON line per executed step (batch
-size, drafts, accepted tokens, generated tokens, the K the drafter ran with), computed from the
-scheduler's own inputs and outputs: a ground-truth record to check the stat-logger plugin against, and a
-debugging aid.
+size, drafts, accepted tokens, generated tokens), computed from the scheduler's own inputs and outputs:
+a ground-truth record to check the stat-logger plugin against, and a debugging aid.
 """
 
 from __future__ import annotations
@@ -180,7 +179,6 @@ class LivePolicyScheduler(Scheduler):
                 "generated": sum(len(o.new_token_ids) for eco in outputs.values() for o in eco.outputs),
                 "drafted": drafted,
                 "accepted": accepted,
-                "k": scheduler_output.num_spec_tokens_to_schedule,  # the K the drafter ran with
             }
             self._trace.write(json.dumps(record) + "\n")
         return outputs

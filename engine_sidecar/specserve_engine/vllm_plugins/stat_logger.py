@@ -6,15 +6,11 @@ vLLM calls `record()` in the API server once per engine-core message; a step's m
 spec-decoding stats of the drafts verified in that same step. Steps without iteration details (idle
 messages, DP dummies) are not engine steps and are not counted.
 
-`speculating` is "true" for a step in which the drafter ran (the policy file's K for the step's batch
-size is above 0: vLLM picks K by the requests a step schedules) or that verified at least one draft
-token. A step where the drafter found nothing to propose (n-gram without a match) is a speculative step
-with no drafts: it paid for the lookup, and its sequences produced one token each, so the tuner counts
-the share of sequences that got a draft (docs/policy.md) and prices plain steps on steps that ran no
-drafter. Drafts, and the step counters of speculative steps, are labelled with the colocated drafter's
-name (from --additional-config) or, for sidecar-hosted drafters, the drafter named by the policy file at
-the time of the step; plain steps carry an empty `drafter`. `k` is the longest draft the step verified
-(a drafter may propose fewer tokens for a row, never more), else the K in force, "0" for plain steps.
+`speculating` is "true" for a step that verified at least one draft token. Drafts, and the step counters
+of speculative steps, are labelled with the colocated drafter's name (from --additional-config) or, for
+sidecar-hosted drafters, the drafter named by the policy file at the time of the step; plain steps carry
+an empty `drafter`. `k` is the longest draft the step verified (the K in force: a drafter may propose
+fewer tokens for a row, never more), "0" for plain steps.
 
 It also registers the collector of the sidecar proposer's step outcomes (`specserve_proposer_calls_total`,
 counted by the proposer in the worker processes, see proposer.py), read from the runtime dir at scrape.
@@ -22,7 +18,6 @@ counted by the proposer in the worker processes, see proposer.py), read from the
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +27,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from specserve_engine import metric_names
 from specserve_engine.buckets import bucket_for
-from specserve_engine.policy_file import PodPolicy, policy_path
+from specserve_engine.policy_file import policy_path
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
 from specserve_engine.vllm_plugins.proposer import ProposerCallsCollector
 
@@ -52,30 +47,17 @@ class StepObservation:
     accepted_tokens: int
     accepted_per_position: tuple[int, ...]
     draft_tokens_per_position: tuple[int, ...]
-    k_in_force: int = 0  # the policy's K for the step's batch size
 
     @property
     def k(self) -> int:
-        """The longest draft verified in the step (the positions any draft reached), else the K in force."""
-        return sum(1 for drafted in self.draft_tokens_per_position if drafted) or self.k_in_force
-
-
-def k_in_force(policy: PodPolicy | None, engine_drafter: str | None, batch: int) -> int:
-    """The K the policy gives a step of `batch` requests, as the live-policy scheduler reads it: 0 when
-    off, or when it names another drafter than the one colocated in this engine."""
-    if policy is None or (engine_drafter is not None and policy.drafter != engine_drafter):
-        return 0
-    return policy.k_for_batch(batch)
+        """The longest draft verified in the step: the positions any draft reached."""
+        return sum(1 for drafted in self.draft_tokens_per_position if drafted)
 
 
 def observe_step(
-    scheduler_stats: Any,
-    iteration_stats: Any,
-    bucket_bounds: tuple[int, ...],
-    k_for_batch: Callable[[int], int] = lambda batch: 0,
+    scheduler_stats: Any, iteration_stats: Any, bucket_bounds: tuple[int, ...]
 ) -> StepObservation | None:
-    """The step described by one `record()` call, or None when the call describes no engine step.
-    `k_for_batch`: the K in force for a step of that many requests (`k_in_force`)."""
+    """The step described by one `record()` call, or None when the call describes no engine step."""
     details = getattr(scheduler_stats, "iteration_details", None) if scheduler_stats is not None else None
     if details is None or details.is_dummy:
         return None
@@ -84,10 +66,9 @@ def observe_step(
         return None
     spec = scheduler_stats.spec_decoding_stats
     draft_tokens = spec.num_draft_tokens if spec is not None else 0
-    k_now = k_for_batch(batch)
     return StepObservation(
         bucket=bucket_for(batch, bucket_bounds),
-        speculating=draft_tokens > 0 or k_now > 0,
+        speculating=draft_tokens > 0,
         seconds=details.elapsed_ms / 1000.0,
         generated_tokens=iteration_stats.num_generation_tokens if iteration_stats is not None else 0,
         drafts=spec.num_drafts if spec is not None else 0,
@@ -95,7 +76,6 @@ def observe_step(
         accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
         accepted_per_position=tuple(spec.num_accepted_tokens_per_pos) if spec is not None else (),
         draft_tokens_per_position=tuple(spec.num_draft_tokens_per_pos) if spec is not None else (),
-        k_in_force=k_now,
     )
 
 
@@ -132,9 +112,6 @@ class SpecserveStatLogger(StatLoggerBase):
         self._model = str(vllm_config.model_config.served_model_name)
         self._counters = _EngineCounters.get(policy_path(self._plugin.runtime_dir).parent, self._model)
 
-    def _k_in_force(self, batch: int) -> int:
-        return k_in_force(self._reader.current(), self._plugin.drafter, batch)
-
     def _drafter(self) -> str:
         if self._plugin.drafter is not None:
             return self._plugin.drafter
@@ -148,7 +125,7 @@ class SpecserveStatLogger(StatLoggerBase):
         mm_cache_stats: Any = None,
         engine_idx: int = 0,
     ) -> None:
-        step = observe_step(scheduler_stats, iteration_stats, self._plugin.bucket_bounds, self._k_in_force)
+        step = observe_step(scheduler_stats, iteration_stats, self._plugin.bucket_bounds)
         if step is None:
             return
         c = self._counters
