@@ -464,8 +464,10 @@ class FleetSim:
         tokens = (mean * active).sum(axis=-1).transpose(2, 1, 0)  # [pods, nd, K+1]
         ks = np.arange(mk + 1)[None, None, :]
         ds = np.arange(nd)[None, :, None]
-        share = self.library.proposal_share[:, self.dom[sl], self.seq[sl]]  # [nd, pods, slots]
-        drafted = ((share * active).sum(axis=-1) / np.maximum(active.sum(axis=-1), 1)).T[:, :, None]
+        drafted = None
+        if self.truth.prices_drafted_share:
+            share = self.library.proposal_share[:, self.dom[sl], self.seq[sl]]  # [nd, pods, slots]
+            drafted = ((share * active).sum(axis=-1) / np.maximum(active.sum(axis=-1), 1)).T[:, :, None]
         t = self.truth.step_s(batch[:, None, None].astype(float), ks, ctx[:, None, None], ds, drafted)
         good = np.where(ks <= self.k_cap[None, :, None], tokens / t, -np.inf)
         # One drafter for the whole fleet at a time (as pods run one drafter each, switched by the
@@ -579,8 +581,10 @@ class FleetSim:
             ctx = np.where(batch > 0, ctx_sum / np.maximum(batch, 1), 0.0)
             k, d = self._policy_k(t, batch, bidx, ctx)
             k = np.minimum(k, self.k_cap[d])
-            share = self.library.proposal_share[d[:, None], self.dom, self.seq]
-            drafted = (share * active).sum(axis=1) / np.maximum(batch, 1)
+            drafted = None
+            if self.truth.prices_drafted_share:  # per quantum and row: skipped where the truth ignores it
+                share = self.library.proposal_share[d[:, None], self.dom, self.seq]
+                drafted = (share * active).sum(axis=1) / np.maximum(batch, 1)
             step = self.truth.step_s(batch.astype(float), k.astype(float), ctx, d, drafted)
             steps = np.where(batch > 0, decode / step, 0.0)
 

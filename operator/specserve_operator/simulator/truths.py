@@ -193,6 +193,7 @@ def padded_batch(batch: np.ndarray) -> np.ndarray:
 
 class GpuTruth:
     name = "gpu"
+    prices_drafted_share = False  # `step_s` does not read `drafted`: the simulator need not compute it
 
     def __init__(self, gpu: str, model: str, methods: list[str], library: AcceptanceLibrary) -> None:
         key = next((k for k in PEAK_HBM if k in gpu.upper()), None)
@@ -357,6 +358,7 @@ class MeasuredCpuTruth:
     here, so its slope is what this moves.)"""
 
     name = "measured-cpu"
+    prices_drafted_share = True
 
     def __init__(self, data: MeasuredData) -> None:
         self.data = data
