@@ -229,6 +229,86 @@ def test_a_canary_explores_an_off_bucket_with_traffic_and_no_measurement(
     }
 
 
+def _measured_and_off(spec_factory, rows_for, bucket_load, slow: float = 1.0):
+    """One drafter, every bucket's step times measured (at the prior's speed times `slow`), all off."""
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
+    view = view_of(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]), slow=slow)
+    snap = build_snapshot(
+        rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads), 300.0
+    )
+    state = core.ResourceState.initial(spec)
+    state.k_by_bucket = {label: 0 for label in state.k_by_bucket}
+    state.last_score["draft"] = 1.0  # measured before: not a cold start
+    return view, state, core.FleetCosts([view], snap), list(snap.pods.values())
+
+
+@pytest.mark.parametrize("source", ["remembered", "totals", "prior"])
+def test_a_stale_acceptance_is_measured_again_where_a_bucket_could_pay(
+    spec_factory, rows_for, bucket_load, source
+) -> None:
+    """Every bucket off and no drafts in the acceptance window: the acceptance in hand came from other
+    traffic (a busy phase's prose), and nothing else would measure it again. The lowest off bucket with
+    traffic speculates on the canary at the largest K."""
+    view, state, costs, observations = _measured_and_off(spec_factory, rows_for, bucket_load)
+    canary, note = core.next_canary(view, state, {"draft": acceptance(0.3, source)}, costs, observations, 0.0)
+    assert canary is not None and canary.purpose == "explore" and canary.remeasure
+    assert canary.k_by_bucket == {**state.k_by_bucket, "4": 4}
+    assert note == f"explore bucket 4 with k=4 on pod pod-a: acceptance {source}, not measured now"
+
+
+def test_a_fresh_acceptance_or_a_bucket_that_cannot_pay_gets_no_canary(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    view, state, costs, observations = _measured_and_off(spec_factory, rows_for, bucket_load)
+    for fresh in ("measured", "shadow"):
+        assert core.next_canary(view, state, {"draft": acceptance(0.3, fresh)}, costs, observations, 0.0) == (
+            None,
+            None,
+        )
+    # Speculative steps 20 times dearer than the prior's: K + 1 tokens a step would not pay.
+    view, state, costs, observations = _measured_and_off(spec_factory, rows_for, bucket_load, slow=20.0)
+    assert all(
+        policy.ceiling_gain(costs.cost(view, view.spec.drafters[0]), label, 4)
+        < view.spec.speculation.min_gain
+        for label in ("4", "16", "64")
+    )
+    stale = {"draft": acceptance(0.3, "remembered")}
+    assert core.next_canary(view, state, stale, costs, observations, 0.0) == (None, None)
+
+
+def test_a_remeasuring_canary_that_measured_nothing_does_not_use_up_the_share(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Its bucket saw too few steps to measure acceptance (and cost as little): it goes on, on the same
+    pod and without a new policy, or the next one goes at once. Any other explore waits out the
+    exploration period."""
+    view, state, costs, observations = _measured_and_off(spec_factory, rows_for, bucket_load)
+    stale = {"draft": acceptance(0.3, "remembered")}
+    remeasure_4 = {**state.k_by_bucket, "4": 4}
+    # The same measurement is still the one to make: the canary goes on.
+    state.last_explore_at = 0.0
+    ended = core.Canary("pod-b", "draft", dict(remeasure_4), 10.0, "explore", True)
+    state.canary = ended
+    canary, note = core.next_canary(view, state, stale, costs, observations, 15.0)
+    assert canary is ended and note is None and canary.until > 15.0 and state.last_explore_at == 15.0
+    # Another bucket had been measuring: the next canary starts now, on the same pod.
+    state.last_explore_at = 0.0
+    state.canary = core.Canary("pod-b", "draft", {**state.k_by_bucket, "16": 4}, 10.0, "explore", True)
+    canary, note = core.next_canary(view, state, stale, costs, observations, 15.0)
+    assert canary is not None and canary.pod == "pod-b" and canary.k_by_bucket == remeasure_4
+    assert note is not None and note.startswith("explore bucket 4")
+    # An explore of unmeasured step times, or a remeasure that measured: the period holds.
+    for ended, accs in (
+        (core.Canary("pod-b", "draft", dict(remeasure_4), 10.0, "explore", False), stale),
+        (core.Canary("pod-b", "draft", dict(remeasure_4), 10.0, "explore", True), {"draft": acceptance(0.9)}),
+    ):
+        state.last_explore_at, state.canary = 0.0, ended
+        assert core.next_canary(view, state, accs, costs, observations, 15.0) == (None, None)
+        assert state.last_explore_at == 0.0
+
+
 def test_a_table_change_is_named_by_its_weightiest_bucket_change() -> None:
     assert core.table_action({"1": 2, "2": 0}, {"1": 0, "2": 3}) == "disable"
     assert core.table_action({"1": 2, "2": 0}, {"1": 2, "2": 3}) == "enable"

@@ -31,6 +31,7 @@ ACCEPTANCE_TTL_S = 3600.0
 # Acceptance sources from this window's drafts: the engine's own counts of live drafts, else the sidecar's
 # scores of shadow drafts on the same traffic (docs/policy.md, "Shadow acceptance").
 MEASURED_NOW = ("measured", "totals", "shadow")
+FRESH_ACCEPTANCE = ("measured", "shadow")  # per-position counts from the acceptance window
 DEFAULT_GPU = "NVIDIA-H100"
 # Decision.warnings keys: condition reasons (CamelCase) the operator reports on the resource.
 METRICS_MISSING = "MetricsMissing"  # no pod of the resource has engine metrics yet: nothing is pushed
@@ -101,6 +102,8 @@ class Canary:
     k_by_bucket: dict[str, int]
     until: float
     purpose: str  # explore | trial
+    # An explore of a bucket whose step times are known, to measure the drafter's acceptance again.
+    remeasure: bool = False
 
 
 @dataclass
@@ -634,13 +637,21 @@ def next_canary(
     """Keep measuring what is switched off: one canary pod at a time either tries another drafter
     (trial) or speculates in the off bucket nearest the cliff that has traffic (explore). Returns the
     canary for this tick and, for a new one, a note saying what it measures."""
-    if state.canary is not None:
-        alive = state.canary.pod in view.pods and state.canary.drafter not in state.demoted
-        if state.canary.until > now and alive:
-            return state.canary, None
+    ended = state.canary
+    if ended is not None:
+        alive = ended.pod in view.pods and ended.drafter not in state.demoted
+        if ended.until > now and alive:
+            return ended, None
+        if alive and ended.remeasure and accs[state.drafter].source not in FRESH_ACCEPTANCE:
+            # Too little traffic reached its bucket to measure acceptance: it cost as little, and does
+            # not count against the share (a busy phase's few batch-1 steps, say, until the quiet
+            # returns). The next canary may go at once, on the same pod.
+            state.last_explore_at = -math.inf
+        else:
+            ended = None
     if view.spec.speculation.exploration_share <= 0:
         return None, None
-    pod = sorted(view.pods)[state.canary_round % len(view.pods)]
+    pod = ended.pod if ended is not None else sorted(view.pods)[state.canary_round % len(view.pods)]
     # Cold start (the pods began plain, docs/policy.md): the drafter in force, the one the pods have
     # loaded, is measured first, by exploring, before another is tried; on a small fleet the canary is
     # much of it, and a trial of a worse drafter first costs its whole length.
@@ -650,8 +661,16 @@ def next_canary(
         order = (_trial_canary, _explore_canary)
     for make in order:
         found = make(view, state, accs, costs, observations, now, pod)
-        if found is not None:
-            return found
+        if found is None:
+            continue
+        canary = found[0]
+        if ended is not None and (canary.drafter, canary.k_by_bucket) == (ended.drafter, ended.k_by_bucket):
+            # The same measurement on the same pod: it goes on. The same object, so the policy in
+            # force is unchanged and nothing is pushed.
+            ended.until = canary.until
+            state.last_explore_at = now
+            return ended, None
+        return found
     return None, None
 
 
@@ -707,8 +726,9 @@ def _explore_canary(
     now: float,
     pod: str,
 ) -> tuple[Canary, str] | None:
-    """Speculate on the canary in the lowest off bucket that sees traffic but has no speculative
-    step-time measurement; often enough that the canary's share stays near explorationShare."""
+    """Speculate on the canary in the lowest off bucket that sees traffic and either has no speculative
+    step-time measurement or, while the drafter in force's acceptance is stale, could pay at all; often
+    enough that the canary's share stays near explorationShare."""
     speculation = view.spec.speculation
     interval = speculation.evaluation_interval_seconds
     period = EXPLORE_TICKS * interval / (speculation.exploration_share * len(view.pods))
@@ -717,6 +737,10 @@ def _explore_canary(
     active = view.spec.drafter(state.drafter)
     cost = costs.cost(view, active)
     cold = state.drafter not in state.last_score
+    # No drafts of the drafter in force in the acceptance window: its acceptance is from traffic that
+    # may have gone (a busy phase's prose, say), and with every bucket that has traffic switched off
+    # nothing would measure it again (docs/policy.md, "Keeping measurements fresh").
+    stale = accs[state.drafter].source not in FRESH_ACCEPTANCE
     traffic: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
@@ -724,21 +748,31 @@ def _explore_canary(
     for label in bucket_labels(speculation.batch_buckets):
         if state.k_by_bucket.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
             continue
+        max_k = active.max_speculative_tokens
+        why, remeasure = "", False
         if cost.measured_spec(label):
-            continue
-        choice = policy.best_k(accs[state.drafter], cost, label, active.max_speculative_tokens)
-        # Slower than plain decoding by what was measured in other buckets: no canary. At a cold start
-        # nothing was measured, and the prior alone does not keep the drafter in force from its first
-        # measurement (a tiny draft model on a CPU, say, which a GPU roofline prices as never paying).
-        if choice.gain < 1.0 and not cold:
-            continue
-        # Cold, at the largest K: its drafts then measure acceptance at every position, which a small K
-        # leaves to the prior (and a draft model whose later positions pay, ranked below n-gram).
-        k = active.max_speculative_tokens if cold else choice.k
+            # Its step times are measured: a canary would only measure acceptance again. Worth it where
+            # that is stale and a drafter accepting every draft would clear minGain here; at the largest
+            # K, so that every position is measured.
+            if not stale or policy.ceiling_gain(cost, label, max_k) < speculation.min_gain:
+                continue
+            k, why = max_k, f": acceptance {accs[state.drafter].source}, not measured now"
+            remeasure = True
+        else:
+            choice = policy.best_k(accs[state.drafter], cost, label, max_k)
+            # Slower than plain decoding by what was measured in other buckets: no canary. At a cold
+            # start nothing was measured, and the prior alone does not keep the drafter in force from its
+            # first measurement (a tiny draft model on a CPU, say, which a GPU roofline prices as never
+            # paying).
+            if choice.gain < 1.0 and not cold:
+                continue
+            # Cold, at the largest K: its drafts then measure acceptance at every position, which a small
+            # K leaves to the prior (and a draft model whose later positions pay, ranked below n-gram).
+            k = max_k if cold else choice.k
         table = dict(state.k_by_bucket)
         table[label] = k
-        canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
-        return canary, f"explore bucket {label} with k={k} on pod {pod}"
+        canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore", remeasure)
+        return canary, f"explore bucket {label} with k={k} on pod {pod}{why}"
     return None
 
 

@@ -438,6 +438,14 @@ def best_k(
     )
 
 
+def ceiling_gain(cost: CalibratedCost, label: str, max_k: int) -> float:
+    """The best gain a bucket could have: every sequence drafting and every draft accepted, K + 1 tokens
+    a step. No measurement of acceptance can find more (with fewer sequences drafting the gain is
+    nearer 1, either side)."""
+    t0 = cost.step_s(label, 0)
+    return max((k + 1) * t0 / cost.step_s(label, k) for k in range(1, max_k + 1))
+
+
 def _best_of(gains: tuple[float, ...]) -> BucketChoice:
     """The K (1-based) with the highest gain, the smallest K among equals."""
     k = max(range(1, len(gains) + 1), key=lambda i: (round(gains[i - 1], 12), -i))
