@@ -735,6 +735,7 @@ def _explore_canary(
     if now - state.last_explore_at < max(period, EXPLORE_TICKS * interval):
         return None
     active = view.spec.drafter(state.drafter)
+    max_k = active.max_speculative_tokens
     cost = costs.cost(view, active)
     cold = state.drafter not in state.last_score
     # No drafts of the drafter in force in the acceptance window: its acceptance is from traffic that
@@ -748,7 +749,6 @@ def _explore_canary(
     for label in bucket_labels(speculation.batch_buckets):
         if state.k_by_bucket.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
             continue
-        max_k = active.max_speculative_tokens
         why, remeasure = "", False
         if cost.measured_spec(label):
             # Its step times are measured: a canary would only measure acceptance again. Worth it where
