@@ -297,6 +297,8 @@ def _stub_vectors() -> dict[str, bytes]:
     engine, spec, state, fallback = [], [], [], []
     for r in range(RESOURCES):
         ns = f"ns-{r % 50}"
+        # Each resource's drafter accepts differently, as in a real fleet: no two share a decision.
+        alpha = rng.uniform(0.6, 0.9)
         for p in range(PODS):
             pod = f"res-{r}-{p}"
             base = {"namespace": ns, "pod": pod}
@@ -320,7 +322,7 @@ def _stub_vectors() -> dict[str, bytes]:
                     spec.append((observations.ACCEPTED, slab, drafts * 1.8))
             surv = 1.0
             for pos in range(4):
-                surv *= 0.8
+                surv *= alpha
                 plab = {**base, "drafter": "eagle3", "position": str(pos)}
                 spec += [
                     (observations.ACCEPTED_POS, plab, 40000 * surv),

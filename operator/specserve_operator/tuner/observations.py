@@ -218,9 +218,10 @@ class FleetSnapshot:
 Row = tuple[str, dict[str, str], float]
 
 _ENGINE_KINDS = {STEPS: "steps", STEP_SECONDS: "seconds", TOKENS: "tokens"}
-_SPEC_KINDS = (DRAFTS, DRAFT_TOKENS, ACCEPTED)
-_POSITION_KINDS = (ACCEPTED_POS, PROPOSED_POS)
-_SHADOW_KINDS = (SHADOW_ACCEPTED_POS, SHADOW_PROPOSED_POS)
+_SPEC_KINDS = frozenset((DRAFTS, DRAFT_TOKENS, ACCEPTED))
+_POSITION_KINDS = frozenset((ACCEPTED_POS, PROPOSED_POS))
+_SHADOW_KINDS = frozenset((SHADOW_ACCEPTED_POS, SHADOW_PROPOSED_POS))
+_BY_K = {STEPS: "steps_by_k", STEP_SECONDS: "seconds_by_k"}  # the engine counters also kept per K
 _FALLBACK_KINDS = {VLLM_DRAFTS: "drafts", VLLM_DRAFT_TOKENS: "draft_tokens", VLLM_ACCEPTED: "accepted"}
 _KINDS = frozenset(
     {
@@ -341,12 +342,16 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
     if kind in _ENGINE_KINDS:
         spec = labels.get("speculating") == "true"
         attr = _ENGINE_KINDS[kind] + ("_spec" if spec else "_plain")
-        targets = [obs.bucket(bucket)]
-        if spec and labels.get("drafter"):
+        targets = (obs.bucket(bucket),)
+        drafter = labels.get("drafter") if spec else None
+        if drafter:
             # Speculative steps of one drafter: its step times, even on a pod that switched drafters.
-            targets.append(stats_of(obs.by_drafter.setdefault(labels["drafter"], {}), bucket))
+            by_drafter = obs.by_drafter.get(drafter)
+            if by_drafter is None:
+                by_drafter = obs.by_drafter[drafter] = {}
+            targets = (targets[0], stats_of(by_drafter, bucket))
         k = int(labels.get("k") or 0)
-        by_k = {STEPS: "steps_by_k", STEP_SECONDS: "seconds_by_k"}.get(kind) if spec and k > 0 else None
+        by_k = _BY_K.get(kind) if spec and k > 0 else None
         for b in targets:
             setattr(b, attr, getattr(b, attr) + value)
             if by_k is not None:

@@ -312,6 +312,9 @@ class CalibratedCost:
     ) -> None:
         self.prior = prior
         self._memo: dict[tuple[str, int, float | None], tuple[float, float]] = {}
+        # best_k's answers: one resource's tick asks the same bucket several times (its drafters' scores,
+        # its table, its cliff), and resources of one group with the same acceptance share them.
+        self.choices: dict[tuple[Acceptance, str, int, float | None], BucketChoice] = {}
         self.ranges = bucket_bounds_of(bounds)
         self.batch: dict[str, float] = {}
         self.plain_ratio: dict[str, float] = {}
@@ -430,12 +433,16 @@ def best_k(
     acc: Acceptance, cost: CalibratedCost, label: str, max_k: int, batch: float | None = None
 ) -> BucketChoice:
     """The K in 1..max_k with the highest goodput gain E_s(K)·T(b,0)/T(b,K), and that gain."""
-    t0 = cost.step_s(label, 0, batch)
-    tokens = acc.step_tokens_by_k(max_k)
-    rate = acc.proposal_rate
-    return _best_of(
-        tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch, rate) for k in range(1, max_k + 1))
-    )
+    key = (acc, label, max_k, batch)
+    choice = cost.choices.get(key)
+    if choice is None:
+        t0 = cost.step_s(label, 0, batch)
+        tokens = acc.step_tokens_by_k(max_k)
+        rate = acc.proposal_rate
+        choice = cost.choices[key] = _best_of(
+            tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch, rate) for k in range(1, max_k + 1))
+        )
+    return choice
 
 
 def ceiling_gain(cost: CalibratedCost, label: str, max_k: int) -> float:
