@@ -344,8 +344,10 @@ class CalibratedCost:
                 self.excess_by_k[label] = by_k
         # (c, s) per bucket measured at two or more Ks; a K measured now replaces the one remembered.
         self.affine: dict[str, tuple[float, float]] = {}
+        self.ks_measured: dict[str, frozenset[int]] = {}  # per bucket, the Ks its step times know
         for label in self.ranges:
             ratios = {**(remembered_by_k or {}).get(label, {}), **self.excess_by_k.get(label, {})}
+            self.ks_measured[label] = frozenset(ratios)
             if len(ratios) < 2:  # nothing to fit: skip the prior's step times (every bucket, every tick)
                 continue
             b = self.batch[label]
@@ -381,6 +383,10 @@ class CalibratedCost:
     def measured_spec(self, label: str) -> bool:
         """Whether speculative steps in this bucket were measured, in the window or remembered."""
         return label in self.excess_ratio or label in self.remembered_excess
+
+    def measured_spec_now(self, label: str) -> bool:
+        """Whether speculative steps in this bucket were measured in the window."""
+        return label in self.excess_ratio
 
     def ratio(self, label: str, k: int) -> float:
         """The plain ratio (k = 0) or the excess ratio (k > 0) of a bucket: in-window measurement, else the
