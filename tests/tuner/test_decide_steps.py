@@ -280,16 +280,15 @@ def test_a_fresh_acceptance_or_a_bucket_that_cannot_pay_gets_no_canary(
 
 def _remembered_off(spec_factory, rows_for, bucket_load, slow: float):
     """Bucket 64's speculative step times measured an hour ago (`slow` times the prior's), only its plain
-    steps now, and it is off; buckets 4 and 16 on at K 3 and K 4, each measured at both."""
+    steps now, and it is off; buckets 4 and 16 on at K 4."""
     spec = spec_factory()
     spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
     view = view_of(spec)
     prior = view.prior(spec.drafters[0])
     memory = policy.RatioMemory()
-    for k in (3, 4):  # two Ks each, an hour ago: no bucket waits for a second K
-        then = loads_at_prior(bucket_load, prior, k=k, slow=slow)
-        rows = rows_for(NS, "pod-a", "draft", then) + rows_for(NS, "pod-b", "draft", then)
-        core.FleetCosts([view], build_snapshot(rows, 300.0), memory=memory, now=float(k))
+    then = loads_at_prior(bucket_load, prior, k=4, slow=slow)
+    rows = rows_for(NS, "pod-a", "draft", then) + rows_for(NS, "pod-b", "draft", then)
+    core.FleetCosts([view], build_snapshot(rows, 300.0), memory=memory, now=0.0)
     now = loads_at_prior(bucket_load, prior, k=4)
     now["64"] = bucket_load(batch=48.0, steps_plain=1000, step_s_plain=prior.step_s(48.0, 0))
     snap = build_snapshot(rows_for(NS, "pod-a", "draft", now) + rows_for(NS, "pod-b", "draft", now), 300.0)
@@ -322,42 +321,6 @@ def test_a_bucket_off_on_remembered_step_times_is_measured_again_where_it_could_
     view, state, costs, observations = _remembered_off(spec_factory, rows_for, bucket_load, slow=20.0)
     assert policy.best_k(accs["draft"], costs.cost(view, view.spec.drafters[0]), "64", 4).gain < 1.0
     assert core.next_canary(view, state, accs, costs, observations, 0.0) == (None, None)
-
-
-def test_a_bucket_on_at_the_one_k_its_step_times_know_is_explored_at_another(
-    spec_factory, rows_for, bucket_load
-) -> None:
-    """What each further K adds is the prior's shape scaled by the one K measured, until a second K is:
-    with nothing off to measure, the canary runs the lowest such bucket at the largest K (at the smallest
-    where the largest is in force). Two Ks measured, now or remembered, need no canary."""
-    spec = spec_factory()
-    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
-    view = view_of(spec)
-    prior = view.prior(spec.drafters[0])
-    accs = {"draft": acceptance(0.8)}
-    for k_now, k_explored in ((3, 4), (4, 1)):
-        loads = loads_at_prior(bucket_load, prior, k=k_now)
-        snap = build_snapshot(
-            rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads), 300.0
-        )
-        state = core.ResourceState.initial(spec)
-        state.k_by_bucket = {
-            label: (k_now if label in ("4", "16", "64") else 0) for label in state.k_by_bucket
-        }
-        state.last_score["draft"] = 1.5
-        canary, note = core.next_canary(
-            view, state, accs, core.FleetCosts([view], snap), list(snap.pods.values()), 0.0
-        )
-        assert canary is not None and canary.purpose == "explore"
-        assert canary.k_by_bucket == {**state.k_by_bucket, "4": k_explored}
-        assert (
-            note
-            == f"explore bucket 4 with k={k_explored} on pod pod-a: step times measured at k={k_now} only"
-        )
-    view, state, costs, observations = _remembered_off(spec_factory, rows_for, bucket_load, slow=20.0)
-    state.k_by_bucket["64"] = 0
-    assert all(len(costs.cost(view, view.spec.drafters[0]).ks_measured[label]) == 2 for label in ("4", "16"))
-    assert core.next_canary(view, state, {"draft": acceptance(0.5)}, costs, observations, 0.0) == (None, None)
 
 
 def test_a_remeasuring_canary_that_measured_nothing_does_not_use_up_the_share(

@@ -727,8 +727,8 @@ def _explore_canary(
     pod: str,
 ) -> tuple[Canary, str] | None:
     """Speculate on the canary in the lowest off bucket that sees traffic and either has no speculative
-    step-time measurement, or only a remembered one that predicts a gain short of minGain, or, while the
-    drafter in force's acceptance is stale, could pay at all; often enough that the canary's share stays
+    step-time measurement, or only a remembered one that predicts at least plain decoding's speed, or,
+    while the drafter in force's acceptance is stale, could pay at all; often enough that the canary's share stays
     near explorationShare."""
     speculation = view.spec.speculation
     interval = speculation.evaluation_interval_seconds
@@ -760,10 +760,10 @@ def _explore_canary(
             k, why = max_k, f": acceptance {accs[state.drafter].source}, not measured now"
             remeasure = True
         elif cost.measured_spec(label):
-            # Step times measured in the window decided this bucket off. Only remembered ones (from other
-            # hours: another batch within the bucket, a few noisy steps) are measured again where they
-            # predict at least plain decoding's speed: there, between 1 and minGain, an error on the
-            # pessimistic side would keep the bucket off for good.
+            # Step times measured in the window stand: they decided this bucket off. Remembered ones (from
+            # another hour: another batch within the bucket, a few steps at one K) are measured again
+            # where they predict at least plain decoding's speed: below minGain there, a pessimistic
+            # error would keep the bucket off for good (docs/policy.md, "Keeping measurements fresh").
             if cost.measured_spec_now(label):
                 continue
             choice = policy.best_k(accs[state.drafter], cost, label, max_k)
@@ -781,32 +781,11 @@ def _explore_canary(
             # Cold, at the largest K: its drafts then measure acceptance at every position, which a small
             # K leaves to the prior (and a draft model whose later positions pay, ranked below n-gram).
             k = max_k if cold else choice.k
-        return _explore(state, pod, label, k, remeasure, now + EXPLORE_TICKS * interval, why)
-    # Nothing off to measure: a bucket on at a K whose step times are known at that K alone speculates
-    # at another, so that what each further K adds is measured rather than the prior's shape scaled
-    # (docs/policy.md, "Keeping measurements fresh"). The largest K (or, in force, the smallest): the
-    # two ends pin the shape, and a K measured is remembered a day.
-    for label in bucket_labels(speculation.batch_buckets):
-        k_now = state.k_by_bucket.get(label, 0)
-        steps = sum(o.buckets[label].steps_spec for o in observations if label in o.buckets)
-        # Exactly one: an engine whose step counters carry no K label (older images) measures none.
-        if k_now == 0 or steps < policy.MIN_STEPS or len(cost.ks_measured.get(label, ())) != 1:
-            continue
-        k = max_k if k_now < max_k else 1
-        if k == k_now:
-            continue
-        why = f": step times measured at k={k_now} only"
-        return _explore(state, pod, label, k, False, now + EXPLORE_TICKS * interval, why)
+        table = dict(state.k_by_bucket)
+        table[label] = k
+        canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore", remeasure)
+        return canary, f"explore bucket {label} with k={k} on pod {pod}{why}"
     return None
-
-
-def _explore(
-    state: ResourceState, pod: str, label: str, k: int, remeasure: bool, until: float, why: str
-) -> tuple[Canary, str]:
-    table = dict(state.k_by_bucket)
-    table[label] = k
-    canary = Canary(pod, state.drafter, table, until, "explore", remeasure)
-    return canary, f"explore bucket {label} with k={k} on pod {pod}{why}"
 
 
 def table_action(old: Mapping[str, int], new: Mapping[str, int]) -> str:

@@ -344,10 +344,8 @@ class CalibratedCost:
                 self.excess_by_k[label] = by_k
         # (c, s) per bucket measured at two or more Ks; a K measured now replaces the one remembered.
         self.affine: dict[str, tuple[float, float]] = {}
-        self.ks_measured: dict[str, frozenset[int]] = {}  # per bucket, the Ks its step times know
         for label in self.ranges:
             ratios = {**(remembered_by_k or {}).get(label, {}), **self.excess_by_k.get(label, {})}
-            self.ks_measured[label] = frozenset(ratios)
             if len(ratios) < 2:  # nothing to fit: skip the prior's step times (every bucket, every tick)
                 continue
             b = self.batch[label]
