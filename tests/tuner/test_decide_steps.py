@@ -321,6 +321,14 @@ def test_a_bucket_off_on_remembered_step_times_is_measured_again_where_it_could_
     view, state, costs, observations = _remembered_off(spec_factory, rows_for, bucket_load, slow=20.0)
     assert policy.best_k(accs["draft"], costs.cost(view, view.spec.drafters[0]), "64", 4).gain < 1.0
     assert core.next_canary(view, state, accs, costs, observations, 0.0) == (None, None)
+    # The same step times as the first case, measured in the window: they stand.
+    loads = loads_at_prior(bucket_load, view.prior(view.spec.drafters[0]), k=4, slow=1.2)
+    snap = build_snapshot(
+        rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads), 300.0
+    )
+    costs = core.FleetCosts([view], snap)
+    assert costs.cost(view, view.spec.drafters[0]).measured_spec_now("64")
+    assert core.next_canary(view, state, accs, costs, list(snap.pods.values()), 0.0) == (None, None)
 
 
 def test_a_remeasuring_canary_that_measured_nothing_does_not_use_up_the_share(
