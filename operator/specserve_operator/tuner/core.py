@@ -759,13 +759,13 @@ def _explore_canary(
                 continue
             k, why = max_k, f": acceptance {accs[state.drafter].source}, not measured now"
             remeasure = True
+        elif cost.measured_spec_now(label):
+            continue  # step times measured in the window stand: they decided this bucket off
         elif cost.measured_spec(label):
-            # Step times measured in the window stand: they decided this bucket off. Remembered ones (from
-            # another hour: another batch within the bucket, a few steps at one K) are measured again
-            # where they predict at least plain decoding's speed: below minGain there, a pessimistic
-            # error would keep the bucket off for good (docs/policy.md, "Keeping measurements fresh").
-            if cost.measured_spec_now(label):
-                continue
+            # Remembered step times (from another hour: another batch within the bucket, a few steps at
+            # one K) are measured again where they predict at least plain decoding's speed: below minGain
+            # there, a pessimistic error would keep the bucket off for good (docs/policy.md, "Keeping
+            # measurements fresh").
             choice = policy.best_k(accs[state.drafter], cost, label, max_k)
             if choice.gain < 1.0:
                 continue

@@ -337,6 +337,14 @@ def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
     return None
 
 
+def _drafter_stats(obs: PodObservation, drafter: str, bucket: str) -> BucketStats:
+    """One drafter's counters in one bucket of a pod, made on first use (no dict built per row)."""
+    buckets = obs.by_drafter.get(drafter)
+    if buckets is None:
+        buckets = obs.by_drafter[drafter] = {}
+    return stats_of(buckets, bucket)
+
+
 def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) -> None:
     bucket = labels.get("bucket", "")
     if kind in _ENGINE_KINDS:
@@ -346,10 +354,7 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
         drafter = labels.get("drafter") if spec else None
         if drafter:
             # Speculative steps of one drafter: its step times, even on a pod that switched drafters.
-            by_drafter = obs.by_drafter.get(drafter)
-            if by_drafter is None:
-                by_drafter = obs.by_drafter[drafter] = {}
-            targets = (targets[0], stats_of(by_drafter, bucket))
+            targets = (targets[0], _drafter_stats(obs, drafter, bucket))
         k = int(labels.get("k") or 0)
         by_k = _BY_K.get(kind) if spec and k > 0 else None
         for b in targets:
@@ -360,12 +365,12 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
     elif kind in _SPEC_KINDS:
         # Folded per drafter only; the bucket's totals are summed from the drafters that pass _check.
         obs.bucket(bucket)
-        b = stats_of(obs.by_drafter.setdefault(labels.get("drafter", ""), {}), bucket)
+        b = _drafter_stats(obs, labels.get("drafter", ""), bucket)
         setattr(b, kind, getattr(b, kind) + value)
     elif kind in _POSITION_KINDS:
         # Per-position counters may come pooled over buckets (the reader's query pools them).
         drafter = labels.get("drafter", "")
-        b = stats_of(obs.by_drafter.setdefault(drafter, {}), bucket or ALL_BUCKETS)
+        b = _drafter_stats(obs, drafter, bucket or ALL_BUCKETS)
         target = b.accepted_pos if kind == ACCEPTED_POS else b.proposed_pos
         pos = int(labels["position"])
         target[pos] = target.get(pos, 0.0) + value
