@@ -421,3 +421,94 @@ def test_a_drafter_without_speculative_steps_borrows_its_siblings_excess(
     alone = core.FleetCosts([view], FleetSnapshot(window_s=300.0)).cost(view, ngram)
     assert alone.ratio("4", 3) == pytest.approx(1.0)
     assert costs.cost(view, ngram) is borrowed  # one calibration per group per tick
+
+
+def test_every_drafter_of_an_engine_calibrates_its_plain_step_on_all_its_plain_steps(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Plain steps run the target alone: the drafter in force measures them for every drafter of the same
+    engine. A drafter measured only on a canary (speculative steps alone) then has the plain step the
+    pods measured, not the prior's, and its excess is what it adds to that step, not the plain step's
+    error as well. The memory keeps plain steps per engine too."""
+    spec = spec_factory()
+    view = view_of(spec)
+    draft, ngram = spec.drafters
+    prior = view.prior(ngram)
+    plain_s = 1.5 * prior.step_s(48.0, 0)  # the prior under-predicts the plain step by a third
+    excess_s = prior.step_s(48.0, 3) - prior.step_s(48.0, 0)  # what n-gram adds: as predicted
+    in_force = {"64": bucket_load(batch=48.0, steps_plain=1000, step_s_plain=plain_s)}
+    canary = {"64": bucket_load(batch=48.0, steps_spec=1000, step_s_spec=plain_s + excess_s, k=3)}
+    rows = rows_for(NS, "pod-a", "draft", in_force) + rows_for(NS, "pod-b", "ngram", canary)
+    memory = policy.RatioMemory()
+    cost = core.FleetCosts([view], build_snapshot(rows, 300.0), memory=memory, now=0.0).cost(view, ngram)
+    assert cost.measured_plain_now("64") and cost.ratio("64", 0) == pytest.approx(1.5, rel=0.02)
+    assert cost.ratio("64", 3) == pytest.approx(1.0, rel=0.02)
+    assert cost.step_s("64", 0) == pytest.approx(plain_s, rel=0.02)
+    # A tick later nothing is measured: both drafters recall the engine's plain step.
+    later = core.FleetCosts([view], FleetSnapshot(window_s=300.0), memory=memory, now=60.0)
+    for drafter in (draft, ngram):
+        recalled = later.cost(view, drafter)
+        assert not recalled.measured_plain_now("64") and recalled.ratio("64", 0) == pytest.approx(
+            1.5, rel=0.02
+        )
+
+
+def test_a_bucket_turned_off_on_a_remembered_plain_step_turns_on_when_its_plain_step_says_so(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Bucket 64 speculates; its plain step is remembered from a quieter time, half what it takes now,
+    so the gain reads under 1 and the bucket goes off at once. One tick later its plain steps are
+    measured and say speculation pays: it is on again, inside the cooldown. A bucket turned off on a
+    plain step measured in the window waits the cooldown out."""
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
+    view = view_of(spec)
+    draft = spec.drafters[0]
+    prior = view.prior(draft)
+    plain_then = prior.step_s(48.0, 0)
+    plain_now, spec_now = 2 * plain_then, 3.2 * plain_then
+    memory = policy.RatioMemory()
+    then = {"64": bucket_load(batch=48.0, steps_plain=1000, step_s_plain=plain_then)}
+    core.FleetCosts([view], build_snapshot(rows_for(NS, "pod-a", "draft", then), 300.0), memory=memory)
+
+    def retune(state: core.ResourceState, loads: dict, now: float) -> list[str]:
+        """What changed in bucket 64 (the others borrow its ratios and may change too)."""
+        snap = build_snapshot(rows_for(NS, "pod-a", "draft", loads), 300.0)
+        costs = core.FleetCosts([view], snap, memory=memory, now=now)
+        return [n for n in core._retune(view, state, draft, acceptance(0.7), costs, now) if "bucket 64 " in n]
+
+    state = core.ResourceState.initial(spec)
+    state.k_by_bucket = {label: (3 if label == "64" else 0) for label in state.k_by_bucket}
+    on = {"64": bucket_load(batch=48.0, steps_spec=1000, step_s_spec=spec_now, k=3)}
+    assert retune(state, on, 100.0)[0].startswith("bucket 64 off")
+    assert state.off_on_estimate == {"64"}
+    off = {"64": bucket_load(batch=48.0, steps_plain=1000, step_s_plain=plain_now)}
+    assert retune(state, off, 130.0)[0].startswith("bucket 64 on")
+    assert state.k_by_bucket["64"] > 0 and not state.off_on_estimate
+    # Plain and speculative steps both measured in the window, speculation slower: off, on a measurement.
+    state = core.ResourceState.initial(spec)
+    state.k_by_bucket = {label: (3 if label == "64" else 0) for label in state.k_by_bucket}
+    both = {
+        "64": bucket_load(
+            batch=48.0,
+            steps_plain=1000,
+            step_s_plain=plain_now,
+            steps_spec=1000,
+            step_s_spec=7 * plain_then,
+            k=3,
+        )
+    }
+    assert retune(state, both, 200.0)[0].startswith("bucket 64 off")
+    assert not state.off_on_estimate
+    # Plain steps three times dearer a tick later: speculation would pay, and the cooldown holds it off.
+    dearer = {"64": bucket_load(batch=48.0, steps_plain=1000, step_s_plain=6 * plain_then)}
+    choice = policy.best_k(
+        acceptance(0.7),
+        core.FleetCosts(
+            [view], build_snapshot(rows_for(NS, "pod-a", "draft", dearer), 300.0), memory=memory, now=230.0
+        ).cost(view, draft),
+        "64",
+        draft.max_speculative_tokens,
+    )
+    assert choice.gain >= spec.speculation.min_gain
+    assert retune(state, dearer, 230.0) == [] and state.k_by_bucket["64"] == 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from specserve_engine.buckets import bucket_for, bucket_labels
@@ -115,6 +115,9 @@ class ResourceState:
     engine_drafter: str | None  # the colocated drafter the running engines were started with
     policy_version: int = 0
     flipped_at: dict[str, float] = field(default_factory=dict)
+    # Buckets turned off while their plain step was not measured in the window: the gain that turned
+    # them off compared measured speculative steps with a remembered plain step (k_table).
+    off_on_estimate: set[str] = field(default_factory=set)
     last_switch_at: float = -math.inf
     canary: Canary | None = None
     canary_round: int = 0
@@ -206,17 +209,25 @@ class Decision:
     warnings: dict[str, str] = field(default_factory=dict)
 
 
+def engine_of(group: tuple) -> tuple:
+    """The engine of a cost group (`ResourceView.cost_group`): model, GPU and TP, without the drafter."""
+    return group[:3]
+
+
 class CostModelError(Exception):
     """Step costs could not be set up for one resource or cost group; only that resource fails."""
 
 
 class FleetCosts:
     """Calibrated step-time models, one per (model, GPU, TP, drafter) group, pooled over every pod of
-    every resource in that group: what one resource learns about the hardware, all use. A group without
-    speculative measurements borrows its siblings' (same model, GPU and TP, another drafter). With
-    `memory` (kept by the caller between ticks), every ratio measured in this window is remembered, and a
-    bucket without a measurement in the window uses its remembered ratio (until `memory.ttl_s` after
-    `now`).
+    every resource in that group: what one resource learns about the hardware, all use. Plain steps run
+    the target alone, whatever drafter is in force: every group of one engine (same model, GPU and TP)
+    calibrates its plain step on all of that engine's plain steps, so a drafter never in force (its
+    speculative steps measured only on a canary) does not rest on the prior's plain step, whose error
+    its excess would otherwise absorb. A group without speculative measurements borrows its siblings'
+    excess. With `memory` (kept by the caller between ticks), every ratio measured in this window is
+    remembered (plain ones per engine), and a bucket without a measurement in the window uses its
+    remembered ratio (until `memory.ttl_s` after `now`).
 
     One resource's failure stays its own: a view whose priors cannot be built, or a group whose
     measurements cannot be calibrated, is left out of the pooling, and `cost` raises CostModelError for
@@ -250,30 +261,48 @@ class FleetCosts:
                 for label, s in stats.items():
                     stats_of(target, label).add(s)
         self._pooled = pooled
-        groups = set(memory.plain) | set(memory.excess) if memory is not None else set()
-        self._remembered = {group: memory.recall(group, now) for group in groups}  # type: ignore[union-attr]
-        self._remembered_by_k = {
-            group: memory.recall_by_k(group, now)  # type: ignore[union-attr]
-            for group in (set(memory.excess_by_k) if memory is not None else set())
-        }
+        self._plain: dict[tuple, dict[str, BucketStats]] = {}
+        for group, stats in pooled.items():
+            target = self._plain.setdefault(engine_of(group), {})
+            for label, s in stats.items():
+                stats_of(target, label).add(s.plain_side())
+        self._memory, self._now = memory, now
         # Each measured group on its own measurements: what it remembers, and what its siblings borrow.
         self._measured: dict[tuple, policy.CalibratedCost] = {}
-        for group, stats in pooled.items():
+        for group in pooled:
             try:
-                self._measured[group] = policy.CalibratedCost(
-                    self._priors[group],
-                    stats,
-                    self._bounds[group],
-                    None,
-                    self._remembered.get(group, ({}, {})),
-                    self._remembered_by_k.get(group),
-                )
+                self._measured[group] = self._calibrated(group, self._priors[group], self._bounds[group])
             except Exception as exc:  # the group's resources fail, not the tick
                 self._failed[group] = exc
         if memory is not None:
             for group, measured in self._measured.items():
-                memory.record(group, measured.plain_ratio, measured.excess_ratio, now, measured.excess_by_k)
+                memory.record(engine_of(group), measured.plain_ratio, {}, now)
+                memory.record(group, {}, measured.excess_ratio, now, measured.excess_by_k)
         self._costs: dict[tuple, policy.CalibratedCost] = {}
+
+    def _calibrated(
+        self,
+        group: tuple,
+        prior: StepCostPrior,
+        bounds: tuple[int, ...],
+        sibling_excess: float | None = None,
+    ) -> policy.CalibratedCost:
+        """The group's step times: its engine's plain steps, its own speculative steps, and what memory
+        holds of both."""
+        stats: dict[str, BucketStats] = {}
+        for label, s in self._plain.get(engine_of(group), {}).items():
+            stats_of(stats, label).add(s)
+        for label, s in self._pooled.get(group, {}).items():
+            stats_of(stats, label).add(s.spec_side())
+        remembered: policy.Remembered = ({}, {})
+        by_k = None
+        if self._memory is not None:
+            remembered = (
+                self._memory.recall(engine_of(group), self._now)[0],
+                self._memory.recall(group, self._now)[1],
+            )
+            by_k = self._memory.recall_by_k(group, self._now)
+        return policy.CalibratedCost(prior, stats, bounds, sibling_excess, remembered, by_k)
 
     @staticmethod
     def _pod_stats(
@@ -326,17 +355,15 @@ class FleetCosts:
                 siblings = sorted(
                     excess
                     for other, cost in self._measured.items()
-                    if other[:3] == group[:3]
+                    if engine_of(other) == engine_of(group)
                     and other != group
                     and (excess := cost.measured_excess) is not None
                 )
-                self._costs[group] = policy.CalibratedCost(
+                self._costs[group] = self._calibrated(
+                    group,
                     self._priors.get(group) or view.prior(drafter),
-                    self._pooled.get(group, {}),
                     self._bounds.get(group) or tuple(view.spec.speculation.batch_buckets),
                     siblings[len(siblings) // 2] if siblings else None,
-                    self._remembered.get(group, ({}, {})),
-                    self._remembered_by_k.get(group),
                 )
         return self._costs[group]
 
@@ -605,16 +632,23 @@ def k_table(
     flipped_at: Mapping[str, float],
     speculation: SpeculationSpec,
     now: float,
+    off_on_estimate: Collection[str] = (),
 ) -> tuple[policy.TableUpdate, int | None]:
     """K per bucket for the drafter in force, with hysteresis against the table in force, and the cliff
     (the batch size from which no K pays). Where no speculative step of this engine and drafter was ever
     measured, the prior alone does not turn buckets on fleet-wide: an exploration canary measures first
-    (unless exploration is off, where the prior is all there is)."""
+    (unless exploration is off, where the prior is all there is).
+
+    A bucket turned off on a remembered plain step (`off_on_estimate`) whose plain step is measured now
+    may turn on again within the cooldown: the cooldown keeps noise from flapping a bucket, and this is
+    an estimate corrected. A plain step remembered from another time (shorter contexts, say) under-predicts
+    one measured now, and the gain of every K with it."""
     bounds = tuple(speculation.batch_buckets)
     choices = policy.choose_table(acc, cost, bounds, max_k)
     hysteresis = policy.Hysteresis(speculation.min_gain, speculation.cooldown_seconds)
     capped = {label: min(current.get(label, 0), max_k) for label in bucket_labels(bounds)}
-    update = policy.update_table(capped, choices, hysteresis, flipped_at, now)
+    waived = {label for label in off_on_estimate if cost.measured_plain_now(label)}
+    update = policy.update_table(capped, choices, hysteresis, flipped_at, now, waived)
     if speculation.exploration_share > 0 and not cost.any_spec_measured:
         held = [label for label, k in update.k_by_bucket.items() if k > 0 and capped[label] == 0]
         if held:
@@ -990,17 +1024,25 @@ def _retune(
 ) -> list[str]:
     """Put the K table and cliff of the drafter in force (`active`) in `state`; returns what changed, in
     words."""
+    cost = costs.cost(view, active)
     update, state.cliff = k_table(
         acc,
-        costs.cost(view, active),
+        cost,
         active.max_speculative_tokens,
         state.k_by_bucket,
         state.flipped_at,
         view.spec.speculation,
         now,
+        state.off_on_estimate,
     )
     state.k_by_bucket = update.k_by_bucket
     state.flipped_at.update(update.flipped)
+    # The waiver is used once: a bucket's plain step measured now settles the estimate either way.
+    state.off_on_estimate = {
+        label
+        for label in state.off_on_estimate | set(update.flipped)
+        if update.k_by_bucket[label] == 0 and not cost.measured_plain_now(label)
+    }
     return update.reasons
 
 

@@ -15,7 +15,7 @@ fixed part where Ks measured far apart say so).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specserve_engine.buckets import INF, bucket_labels
@@ -382,6 +382,10 @@ class CalibratedCost:
         """Whether speculative steps in this bucket were measured, in the window or remembered."""
         return label in self.excess_ratio or label in self.remembered_excess
 
+    def measured_plain_now(self, label: str) -> bool:
+        """Whether plain steps in this bucket were measured in the window."""
+        return label in self.plain_ratio
+
     def measured_spec_now(self, label: str) -> bool:
         """Whether speculative steps in this bucket were measured in the window."""
         return label in self.excess_ratio
@@ -555,12 +559,14 @@ def update_table(
     hysteresis: Hysteresis,
     flipped_at: Mapping[str, float],
     now: float,
+    waived: Collection[str] = frozenset(),
 ) -> TableUpdate:
     """The next K table from the current one and the predicted gains, with hysteresis and cooldown.
 
-    Off → on needs gain ≥ minGain and a cooldown since the bucket's last flip. On → off happens below
-    the off threshold after the cooldown, and at once where speculation is predicted to be slower than
-    plain decoding (gain < 1): a pod is never left slower than plain decoding for a cooldown."""
+    Off → on needs gain ≥ minGain and a cooldown since the bucket's last flip, except in the buckets
+    `waived` (turned off on an estimate that a measurement now corrects). On → off happens below the off
+    threshold after the cooldown, and at once where speculation is predicted to be slower than plain
+    decoding (gain < 1): a pod is never left slower than plain decoding for a cooldown."""
     table: dict[str, int] = {}
     flipped: dict[str, float] = {}
     reasons: list[str] = []
@@ -568,7 +574,7 @@ def update_table(
         k_now = current.get(label, 0)
         cooled = now - flipped_at.get(label, -math.inf) >= hysteresis.cooldown_s
         if k_now == 0:
-            if choice.gain >= hysteresis.min_gain and cooled:
+            if choice.gain >= hysteresis.min_gain and (cooled or label in waived):
                 table[label] = choice.k
                 flipped[label] = now
                 reasons.append(f"bucket {label} on: k={choice.k} gain {choice.gain:.2f}")
