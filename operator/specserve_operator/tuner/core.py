@@ -1009,7 +1009,7 @@ def _switch_drafter(
         state.engine_drafter = best.name if best.placement == "colocated" else None
     state.drafter = best.name
     state.last_switch_at = now
-    state.flipped_at = {}
+    state.flipped_at, state.off_on_estimate = {}, set()
     state.k_by_bucket = {label: 0 for label in bucket_labels(view.spec.speculation.batch_buckets)}
     return rollout
 
