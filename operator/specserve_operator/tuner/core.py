@@ -275,8 +275,11 @@ class FleetCosts:
             except Exception as exc:  # the group's resources fail, not the tick
                 self._failed[group] = exc
         if memory is not None:
+            # Every group of an engine calibrated on the same plain steps: one record per engine.
+            plain = {engine_of(group): measured.plain_ratio for group, measured in self._measured.items()}
+            for engine, ratios in plain.items():
+                memory.record(engine, ratios, {}, now)
             for group, measured in self._measured.items():
-                memory.record(engine_of(group), measured.plain_ratio, {}, now)
                 memory.record(group, {}, measured.excess_ratio, now, measured.excess_by_k)
         self._costs: dict[tuple, policy.CalibratedCost] = {}
 
