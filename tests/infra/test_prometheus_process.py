@@ -33,9 +33,8 @@ def test_scrapes_a_live_target_and_stops_cleanly(prometheus_factory) -> None:
     prom = prometheus_factory()
     scraper = PrometheusProcess(scrape_configs=[scrape_config("self", [f"127.0.0.1:{prom.port}"])])
     with scraper:
-        deadline = time.time() + 20
-        while time.time() < deadline and not _query(scraper.url, 'up{job="self"} == 1', time.time()):
-            time.sleep(0.5)
+        scraper.wait_scraped(timeout_s=20)
+        # no polling: once wait_scraped returns, the first scrape is in the database
         assert _query(scraper.url, 'up{job="self"} == 1', time.time())
         port = scraper.port
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):  # nothing listens any more
@@ -48,3 +47,14 @@ def test_a_taken_port_is_reported(prometheus_factory) -> None:
         s.listen()
         with pytest.raises(PrometheusError, match="port"):
             PrometheusProcess(port=s.getsockname()[1]).start(timeout_s=20)
+
+
+def test_waiting_for_a_target_that_does_not_answer_names_it() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, not listening: connection refused
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+        with (
+            PrometheusProcess(scrape_configs=[scrape_config("dead", [dead])]) as prom,
+            pytest.raises(PrometheusError, match=f"{dead}/metrics: down"),
+        ):
+            prom.wait_scraped(timeout_s=10)

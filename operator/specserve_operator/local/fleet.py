@@ -258,6 +258,7 @@ async def start_fleet(s: Session, rt: FleetRuntime) -> None:
     )
     try:
         await asyncio.to_thread(rt.prometheus.start)
+        await asyncio.to_thread(rt.prometheus.wait_scraped)
     except PrometheusError as exc:
         raise LocalFleetError(f"Prometheus did not start: {exc}", hint=preflight.PROMETHEUS_HINT) from None
     s.say(f"Prometheus at {rt.prometheus.url} ({len(rules)} rule file(s) from the chart)")

@@ -5,6 +5,7 @@ Debian's `prometheus` package provides the binary (scripts/setup.sh installs it)
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -112,6 +113,30 @@ class PrometheusProcess:
             time.sleep(0.2)
         self.stop()
         raise PrometheusError(f"prometheus did not become ready on {self.url} within {timeout_s:.0f}s")
+
+    def wait_scraped(self, timeout_s: float = 30.0) -> None:
+        """Wait until every configured target has been scraped and answered. Prometheus hands a new
+        config's targets to its scrapers only after its discovery's first update (about 5 s), so traffic
+        started at `start()` would run that long with no metrics, which a cluster's Prometheus, running
+        long before the pods, never does."""
+        static = [s for job in self.scrape_configs for s in job.get("static_configs", [])]
+        expected = sum(len(s["targets"]) for s in static)
+        deadline = time.monotonic() + timeout_s
+        targets: list[dict] = []
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/v1/targets?state=active", timeout=2) as resp:
+                    targets = json.load(resp)["data"]["activeTargets"]
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                targets = []
+            if len(targets) >= expected and all(t["health"] == "up" for t in targets):
+                return
+            time.sleep(0.2)
+        down = [f"{t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}".strip() for t in targets]
+        raise PrometheusError(
+            f"prometheus did not scrape all {expected} target(s) within {timeout_s:.0f}s: "
+            + ("; ".join(down) if down else "no active targets yet")
+        )
 
     def stop(self) -> None:
         group, self._group = self._group, None
