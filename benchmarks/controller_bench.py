@@ -312,6 +312,8 @@ def _stub_vectors() -> dict[str, bytes]:
                 engine.append(
                     (observations.TOKENS, lab, steps * int(bucket) * (2.5 if speculating == "true" else 1))
                 )
+                # The same steps over the acceptance window (a fifth of the metrics window).
+                engine.append((observations.RECENT_STEPS, {**base, "bucket": bucket}, steps / 5))
                 if speculating == "true":
                     slab = {**base, "bucket": bucket, "drafter": "eagle3"}
                     drafts = steps * int(bucket)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve_operator.tuner import core, policy
-from specserve_operator.tuner.observations import FleetSnapshot, build_snapshot
+from specserve_operator.tuner.observations import RECENT_STEPS, FleetSnapshot, build_snapshot
 from specserve_operator.tuner.policy import MIN_STEPS
 from specserve_testing.tuner_loads import loads_at_prior
 
@@ -81,6 +81,41 @@ def test_only_measured_drafters_are_scored_and_the_better_scores_higher(
         view, {"draft": acceptance(0.3), "ngram": acceptance(0.3)}, costs, observations
     )
     assert good["draft"] > poor["draft"] > 0
+
+
+def test_drafters_are_scored_on_the_batch_mix_of_the_acceptance_window(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    # Ranked on acceptance measured now, a drafter must also be weighed at the batch sizes running now:
+    # the metrics window's mix is mostly the traffic before a change of load.
+    spec = spec_factory()
+    view = view_of(spec)
+    draft = spec.drafters[0]
+    loads = loads_at_prior(bucket_load, view.prior(draft))
+    rows = rows_for(NS, "pod-a", "draft", loads)
+    accs = {"draft": acceptance(0.8)}
+    costs = core.FleetCosts([view], build_snapshot(rows, 300.0))
+    gains = {
+        label: max(1.0, choice.gain)
+        for label, choice in policy.choose_table(
+            accs["draft"],
+            costs.cost(view, draft),
+            spec.speculation.batch_buckets,
+            draft.max_speculative_tokens,
+        ).items()
+    }
+
+    def score(recent: dict[str, float]) -> float:
+        extra = [(RECENT_STEPS, {"namespace": NS, "pod": "pod-a", "bucket": b}, n) for b, n in recent.items()]
+        snap = build_snapshot(rows + extra, 300.0)
+        return core.drafter_scores(view, accs, costs, list(snap.pods.values()))["draft"]
+
+    assert gains["4"] > gains["64"] * 1.05  # the test means something only if the buckets differ
+    assert score({"4": 50.0}) == pytest.approx(gains["4"])
+    assert score({"64": 50.0}) == pytest.approx(gains["64"])
+    assert score({"4": 50.0, "64": 50.0}) == pytest.approx((gains["4"] + gains["64"]) / 2)
+    # Without the short window's steps (an engine that does not report them), the metrics window's mix.
+    assert score({}) == pytest.approx(sum(gains[b] for b in ("4", "16", "64")) / 3)
 
 
 def test_a_drafter_under_the_floor_is_demoted_after_the_cooldown_and_reconsidered_later(spec_factory) -> None:

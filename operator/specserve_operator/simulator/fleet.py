@@ -332,12 +332,14 @@ class FleetSim:
 
     def _rows(self, now_c: tuple, old_c: tuple, short_c: tuple) -> list[observations.Row]:
         """Rows as the reader's queries return them: the counters' increases since `old_c` (the metrics
-        window), the per-position and shadow counts' since `short_c` (the acceptance window)."""
+        window), the per-position and shadow counts' and the steps per bucket since `short_c` (the
+        acceptance window)."""
         d = [a - b for a, b in zip(now_c, old_c, strict=True)]
         steps, secs, tokens, drafts, dtok, acc = d[:6]
         acc_pos, prop_pos, shadow_acc, shadow_prop = (
             a - b for a, b in zip(now_c[6:], short_c[6:], strict=True)
         )
+        recent_steps = now_c[0] - short_c[0]
         rows: list[observations.Row] = []
         for i, pod in enumerate(self.pod_names):
             base = {"namespace": "sim", "pod": pod}
@@ -351,6 +353,9 @@ class FleetSim:
             )
             rows.append((observations.RUNNING, base, float(self.running[i])))
             for b, label in enumerate(self.labels):
+                if recent_steps[i, :, b, :].sum() > 0:
+                    lab = {**base, "bucket": label}
+                    rows.append((observations.RECENT_STEPS, lab, recent_steps[i, :, b, :].sum()))
                 if steps[i, :, b, 0].sum() > 0:  # plain steps carry no drafter and no K
                     lab = {**base, "bucket": label, "speculating": "false", "drafter": ""}
                     rows.append((observations.STEPS, lab, steps[i, :, b, 0].sum()))

@@ -503,12 +503,20 @@ def drafter_scores(
     observations: list[PodObservation],
     names: Iterable[str] | None = None,
 ) -> dict[str, float]:
-    """Predicted goodput on the resource's batch mix (steps per bucket) of every drafter measured now, or
-    of the drafters `names`, whatever their acceptance rests on."""
+    """Predicted goodput on the resource's batch mix of every drafter measured now, or of the drafters
+    `names`, whatever their acceptance rests on. The batch mix is the steps per bucket in the acceptance
+    window, where the pods report it, else in the metrics window: drafters are ranked on the acceptance
+    measured now, and on the metrics window's mix a phase of new traffic would be weighed mostly at
+    the batch sizes of the traffic before it."""
+    recent: dict[str, float] = {}
     weights: dict[str, float] = {}
     for obs in observations:
+        for label, steps in obs.recent_steps.items():
+            recent[label] = recent.get(label, 0.0) + steps
         for label, s in obs.buckets.items():
             weights[label] = weights.get(label, 0.0) + s.steps_plain + s.steps_spec
+    if sum(recent.values()) > 0:
+        weights = recent
     bounds = tuple(view.spec.speculation.batch_buckets)
     wanted = set(names) if names is not None else {n for n, a in accs.items() if a.source in MEASURED_NOW}
     return {

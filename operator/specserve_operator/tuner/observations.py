@@ -1,9 +1,9 @@
 """What the controller knows about the fleet after one read: counter increases over a window, per pod and
-batch-size bucket; the per-position acceptance counts (live and shadow) over a shorter window, since
-acceptance follows the traffic mix, which can change within seconds, while step times are the
-hardware's and want many samples (docs/policy.md, "Two windows"). Built from rows of (series kind,
-labels, value), whether the rows come from PromQL vectors (reader.py) or from the simulator's counters,
-so both feed the policy through the same code.
+batch-size bucket; the per-position acceptance counts (live and shadow) and the steps per bucket over a
+shorter window, since acceptance and the batch mix follow the traffic, which can change within seconds,
+while step times are the hardware's and want many samples (docs/policy.md, "Two windows"). Built from
+rows of (series kind, labels, value), whether the rows come from PromQL vectors (reader.py) or from the
+simulator's counters, so both feed the policy through the same code.
 
 `build_snapshot` is the one place rows become observations, and it validates them (docs/policy.md,
 "Inputs the controller rejects"): a row that is not finite, negative, beyond any engine's reach, or without
@@ -38,6 +38,7 @@ VLLM_ACCEPTED = "vllm_accepted"
 DRAFTER_ERRORS = "drafter_errors"
 SHADOW_ACCEPTED_POS = "shadow_accepted_pos"  # the sidecar's shadow drafts (docs/policy.md)
 SHADOW_PROPOSED_POS = "shadow_proposed_pos"
+RECENT_STEPS = "recent_steps"  # steps per bucket over the acceptance window: the batch mix now
 ALL_BUCKETS = "*"  # the bucket of counters summed over buckets
 
 # Why a row, or a bucket's folded counters, was dropped: the `reason` label of the operator's
@@ -174,6 +175,7 @@ class PodObservation:
     # Per-position counts of the sidecar's shadow drafts, by drafter (loaded drafters not in force).
     shadow: dict[str, BucketStats] = field(default_factory=dict)
     failed_drafters: set[str] = field(default_factory=set)  # drafters the sidecar reports failed
+    recent_steps: dict[str, float] = field(default_factory=dict)  # bucket → steps in the acceptance window
     dropped: int = 0  # this pod's values refused as invalid (counted in the snapshot's `dropped` too)
 
     def bucket(self, label: str) -> BucketStats:
@@ -234,6 +236,7 @@ _KINDS = frozenset(
         RUNNING,
         GPU_UTIL,
         DRAFTER_ERRORS,
+        RECENT_STEPS,
     }
 )
 
@@ -313,7 +316,7 @@ def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
         return DROP_KIND
     if not labels.get("namespace") or not labels.get("pod"):
         return DROP_LABELS
-    if (kind in _ENGINE_KINDS or kind in _SPEC_KINDS) and not labels.get("bucket"):
+    if (kind in _ENGINE_KINDS or kind in _SPEC_KINDS or kind == RECENT_STEPS) and not labels.get("bucket"):
         return DROP_LABELS
     if kind in _ENGINE_KINDS and labels.get("k"):
         if not _DECIMAL.fullmatch(labels["k"]):
@@ -398,6 +401,8 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
         attr = _FALLBACK_KINDS[kind]
         setattr(fb, attr, getattr(fb, attr) + value)
         obs.fallback = fb
+    elif kind == RECENT_STEPS:
+        obs.recent_steps[bucket] = obs.recent_steps.get(bucket, 0.0) + value
     elif kind == DRAFTER_ERRORS:
         drafter = labels.get("drafter", "")
         obs.drafter_errors[drafter] = obs.drafter_errors.get(drafter, 0.0) + value

@@ -40,14 +40,18 @@ def _increase(series: str, by: str, window: str) -> str:
     return f"sum by ({by}) (increase({series}[{window}]))"
 
 
-def engine_query(window_s: float) -> str:
+def engine_query(window_s: float, acceptance_window_s: float) -> str:
     """Steps, step seconds and output tokens per pod, bucket, speculating-or-not, drafter (empty for
-    plain steps) and K (the drafts' length the steps verified)."""
+    plain steps) and K (the drafts' length the steps verified); and steps per pod and bucket over the
+    short window: the batch mix now, which weighs the drafters' scores (docs/policy.md, "Comparing
+    drafters")."""
     w, by = _window(window_s), f"{POD}, bucket, speculating, drafter, k"
+    steps = metric_names.ENGINE_STEPS.series[0]
     parts = [
-        _tagged(observations.STEPS, _increase(metric_names.ENGINE_STEPS.series[0], by, w)),
+        _tagged(observations.STEPS, _increase(steps, by, w)),
         _tagged(observations.STEP_SECONDS, _increase(metric_names.ENGINE_STEP_SECONDS.series[0], by, w)),
         _tagged(observations.TOKENS, _increase(metric_names.ENGINE_GENERATED_TOKENS.series[0], by, w)),
+        _tagged(observations.RECENT_STEPS, _increase(steps, f"{POD}, bucket", _window(acceptance_window_s))),
     ]
     return " or ".join(parts)
 
@@ -116,7 +120,7 @@ def fallback_query(window_s: float) -> str:
 
 def fleet_queries(window_s: float, acceptance_window_s: float) -> list[str]:
     return [
-        engine_query(window_s),
+        engine_query(window_s, acceptance_window_s),
         spec_query(window_s, acceptance_window_s),
         state_query(),
         fallback_query(window_s),
