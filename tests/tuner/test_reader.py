@@ -137,6 +137,30 @@ def test_acceptance_follows_a_mix_change_within_its_window(
 
 
 @needs_prometheus
+def test_the_batch_mix_now_is_read_over_the_acceptance_window(
+    prometheus_factory, rows_for, bucket_load
+) -> None:
+    """Steps per bucket come over both windows: the metrics window's for step times, the acceptance
+    window's for the batch mix that weighs the drafters' scores. Batch 1 for nine minutes, then batch
+    12 for the last one: the long window is mostly batch 1, the short one batch 12 alone."""
+
+    def phase(bucket: str, batch: float, span_s: float) -> list[observations.Row]:
+        load = bucket_load(batch=batch, steps_spec=20 * span_s, step_s_spec=0.02, k=4)
+        return rows_for(NS, "pod-a", "draft", {bucket: load}, alphas=(0.8,) * 4, running=batch)
+
+    end = time.time() - 5
+    prom = prometheus_factory(
+        openmetrics=openmetrics_phases(
+            [(phase("1", 1, 540), end - 600, end - 60), (phase("16", 12, 60), end - 60, end)]
+        )
+    )
+    obs = PrometheusReader(prom.url, window_s=300).read().pods[(NS, "pod-a")]
+    assert obs.buckets["1"].steps_spec > 3 * obs.buckets["16"].steps_spec
+    assert obs.recent_steps["16"] == pytest.approx(20 * 60, rel=0.3)
+    assert obs.recent_steps.get("1", 0.0) < 0.1 * obs.recent_steps["16"]
+
+
+@needs_prometheus
 def test_few_drafts_in_the_acceptance_window_fall_back_to_the_long_one(
     prometheus_factory, rows_for, bucket_load, openmetrics_of, spec_factory
 ) -> None:
