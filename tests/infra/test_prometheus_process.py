@@ -34,8 +34,12 @@ def test_scrapes_a_live_target_and_stops_cleanly(prometheus_factory) -> None:
     scraper = PrometheusProcess(scrape_configs=[scrape_config("self", [f"127.0.0.1:{prom.port}"])])
     with scraper:
         scraper.wait_scraped(timeout_s=20)
-        # no polling: once wait_scraped returns, the first scrape is in the database
-        assert _query(scraper.url, 'up{job="self"} == 1', time.time())
+        # The target answered; its sample is queryable within moments (queried a second ahead, since
+        # _query rounds the time to the second, which could fall before the first sample).
+        deadline = time.time() + 5
+        while time.time() < deadline and not _query(scraper.url, 'up{job="self"} == 1', time.time() + 1):
+            time.sleep(0.2)
+        assert _query(scraper.url, 'up{job="self"} == 1', time.time() + 1)
         port = scraper.port
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):  # nothing listens any more
         s.connect(("127.0.0.1", port))
