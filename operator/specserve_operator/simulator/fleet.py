@@ -339,7 +339,7 @@ class FleetSim:
         acc_pos, prop_pos, shadow_acc, shadow_prop = (
             a - b for a, b in zip(now_c[6:], short_c[6:], strict=True)
         )
-        recent_steps = now_c[0] - short_c[0]
+        recent_steps = (now_c[0] - short_c[0]).sum(axis=(1, 3))  # pod × bucket, over drafters and K
         rows: list[observations.Row] = []
         for i, pod in enumerate(self.pod_names):
             base = {"namespace": "sim", "pod": pod}
@@ -353,9 +353,8 @@ class FleetSim:
             )
             rows.append((observations.RUNNING, base, float(self.running[i])))
             for b, label in enumerate(self.labels):
-                if recent_steps[i, :, b, :].sum() > 0:
-                    lab = {**base, "bucket": label}
-                    rows.append((observations.RECENT_STEPS, lab, recent_steps[i, :, b, :].sum()))
+                if recent_steps[i, b] > 0:
+                    rows.append((observations.RECENT_STEPS, {**base, "bucket": label}, recent_steps[i, b]))
                 if steps[i, :, b, 0].sum() > 0:  # plain steps carry no drafter and no K
                     lab = {**base, "bucket": label, "speculating": "false", "drafter": ""}
                     rows.append((observations.STEPS, lab, steps[i, :, b, 0].sum()))
