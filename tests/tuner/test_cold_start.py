@@ -159,3 +159,39 @@ def test_a_cold_start_explores_the_drafter_in_force_where_the_prior_sees_no_gain
     scored = core.ResourceState.initial(spec)
     scored.last_score["draft"] = 0.9
     assert _decide(view, scored, rows, 30.0).action != "explore"
+
+
+@pytest.mark.parametrize(
+    ("ngram_alpha", "ends"),
+    [(0.2, True), (0.6, False)],
+    ids=["measured-clearly-worse", "within-the-margin"],
+)
+def test_a_trial_ends_early_once_it_measured_its_drafter_clearly_worse(
+    spec_factory, rows_for, bucket_load, ngram_alpha: float, ends: bool
+) -> None:
+    """A trial of n-gram on pod-a has measured its own steps and acceptance one tick in; the draft model
+    in force speculates on pod-b. Clearly worse (below the draft model's score by the switch margin), the
+    trial ends now instead of after TRIAL_TICKS: on a one-pod fleet it is the fleet. Not clearly worse,
+    it runs its length."""
+    spec = spec_factory()
+    view = core.ResourceView(NS, "llm", spec, PODS)
+    draft, ngram = view.prior(spec.drafters[0]), view.prior(spec.drafters[1])
+    rows = rows_for(
+        NS, "pod-a", "ngram", _speculating(bucket_load, draft, ngram, 200), alphas=(ngram_alpha,) * 8
+    )
+    rows += rows_for(NS, "pod-b", "draft", _speculating(bucket_load, draft, draft, 200), alphas=(0.8,) * 8)
+    state = core.ResourceState.initial(spec)
+    state.decided, state.last_score = True, {"draft": 1.3}
+    state.k_by_bucket = dict.fromkeys(state.k_by_bucket, 3)
+    trial = core.Canary(
+        "pod-a", "ngram", dict.fromkeys(state.k_by_bucket, 3), 30.0 * core.TRIAL_TICKS, "trial"
+    )
+    state.canary, state.last_trial_at = trial, {"ngram": 0.0}
+    d = _decide(view, state, rows, 30.0)
+    assert d.drafter == "draft", d.reason
+    if ends:
+        assert d.scores["ngram"] * (1 + core.SWITCH_MARGIN) < d.scores["draft"]
+        assert state.canary is not trial and d.pods["pod-a"].drafter == "draft", d.reason
+    else:
+        assert d.scores["ngram"] * (1 + core.SWITCH_MARGIN) >= d.scores["draft"]
+        assert state.canary is trial and d.pods["pod-a"].drafter == "ngram", d.reason

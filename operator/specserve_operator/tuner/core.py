@@ -685,7 +685,7 @@ def next_canary(
     ended = state.canary
     if ended is not None:
         alive = ended.pod in view.pods and ended.drafter not in state.demoted
-        if ended.until > now and alive:
+        if ended.until > now and alive and not _trial_settled(view, state, accs, costs, ended):
             return ended, None
         if alive and ended.remeasure and accs[state.drafter].source not in FRESH_ACCEPTANCE:
             # Too little traffic reached its bucket to measure acceptance: it cost as little, and does
@@ -717,6 +717,31 @@ def next_canary(
             return ended, None
         return found
     return None, None
+
+
+def _trial_settled(
+    view: ResourceView,
+    state: ResourceState,
+    accs: Mapping[str, policy.Acceptance],
+    costs: FleetCosts,
+    canary: Canary,
+) -> bool:
+    """Whether a running trial has measured enough to end before its TRIAL_TICKS: its drafter's live
+    acceptance and its own speculative steps are measured now, and its score (this tick's) is below the
+    drafter in force's last score by the switch margin, so no longer trial would make it win. On a
+    one-pod fleet the trial is the fleet; a worse drafter tried for its whole length cost the local
+    fleet a fifth of a phase. A trial that measures a better drafter needs no early end: the fleet
+    switches to it (`better_drafter`)."""
+    if canary.purpose != "trial" or canary.drafter == state.drafter:
+        return False
+    drafter = next((d for d in view.spec.drafters if d.name == canary.drafter), None)
+    if drafter is None or accs[canary.drafter].source != "measured":
+        return False
+    cost = costs.cost(view, drafter)
+    if not any(k > 0 and cost.measured_spec_now(label) for label, k in canary.k_by_bucket.items()):
+        return False
+    score = state.last_score.get(canary.drafter, 0.0)
+    return score * (1 + SWITCH_MARGIN) < state.last_score.get(state.drafter, 1.0)
 
 
 def _trial_canary(
