@@ -44,6 +44,7 @@ MANIFEST = REPO / "examples" / "local-fleet-mix.yaml"
 TRAFFIC = "code:60s:1:1,prose:60s:1:0,busy:60s:16:0.5,code-again:60s:1:1"
 COMPARE_SCALE = 0.5
 SWEEP_POINT_S = 8.0
+SWEEP_ROUNDS = 2  # interleaved; each candidate at its median
 MAX_TOKENS = 64
 
 
@@ -126,6 +127,7 @@ def combine(sessions: list[dict], command: list[str]) -> dict:
             "traffic": TRAFFIC,
             "comparison_runs_scale": COMPARE_SCALE,
             "sweep_point_s": SWEEP_POINT_S,
+            "sweep_rounds": SWEEP_ROUNDS,
             "max_tokens": MAX_TOKENS,
             "sessions": len(sessions),
             "notes": [
@@ -207,6 +209,7 @@ def main() -> None:
                 "--compare", f"off,static,{RUN_BEST_STATIC}",
                 "--compare-scale", str(COMPARE_SCALE),
                 "--sweep-point", str(SWEEP_POINT_S),
+                "--sweep-rounds", str(SWEEP_ROUNDS),
                 "--max-tokens", str(MAX_TOKENS),
                 "--out", tmp,
                 "--no-live",

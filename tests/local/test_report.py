@@ -158,6 +158,8 @@ def _with_best_static() -> ReportInput:
         [
             SweepPoint(Shape(1, 0.5), Candidate(None, 0), 90.0),
             SweepPoint(Shape(1, 0.5), Candidate("draft", 2), 120.0),
+            SweepPoint(Shape(1, 0.5), Candidate(None, 0), 94.0),
+            SweepPoint(Shape(1, 0.5), Candidate("draft", 2), 110.0),
         ],
         StaticTable("draft", {"1": 2, "+Inf": 0}, 1200.0),
     )
@@ -177,7 +179,7 @@ def test_goals_compare_each_phase_with_the_better_fixed_alternative() -> None:
     md = render_markdown(data, [])
     assert "| 2. busy (busy) | 0.83 | 0.83 | **no** |" in md
     assert "**draft**, K by bucket 1: 2, +Inf: 0" in md
-    assert "| concurrency 1, 50% code | draft K=2 | 120.0 |" in md
+    assert "| concurrency 1, 50% code | draft K=2 | 115.0 | 120.0, 110.0 |" in md
 
 
 def test_the_sweep_survives_the_data_file(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from specserve_operator.local.sweep import (
     Shape,
     SweepPoint,
     best_static_table,
+    median_tokens_per_s,
     sweep_candidates,
     sweep_shapes,
 )
@@ -76,3 +77,20 @@ def test_a_missing_measurement_is_an_error_not_a_zero() -> None:
         best_static_table(points, pattern, BOUNDS)
     with pytest.raises(ValueError, match="no drafter"):
         best_static_table(_points({BUSY: {OFF: 900}}), pattern, BOUNDS)
+
+
+def test_a_candidate_measured_in_rounds_counts_at_its_median() -> None:
+    """One noisy round does not pick the table: n-gram's one fast busy measurement (1000 against off's 900)
+    is outvoted by its other two rounds."""
+    pattern = parse_pattern("quiet:60:1:1,busy:60:16:0.5")
+    rounds = [
+        {CODE_QUIET: {OFF: 100, NGRAM[1]: 150}, BUSY: {OFF: 900, NGRAM[1]: 1000}},
+        {CODE_QUIET: {OFF: 100, NGRAM[1]: 150}, BUSY: {OFF: 900, NGRAM[1]: 700}},
+        {CODE_QUIET: {OFF: 110, NGRAM[1]: 140}, BUSY: {OFF: 880, NGRAM[1]: 720}},
+    ]
+    points = [p for r in rounds for p in _points(r)]
+    assert median_tokens_per_s(points)[(BUSY, NGRAM[1])] == 720
+    table = best_static_table(points, pattern, BOUNDS)
+    assert (table.k_by_bucket["1"], table.k_by_bucket["16"]) == (1, 0)
+    assert table.predicted_tokens == pytest.approx(60 * 150 + 60 * 900)
+    assert best_static_table(_points(rounds[0]), pattern, BOUNDS).k_by_bucket["16"] == 1

@@ -67,6 +67,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds each candidate runs each traffic shape in the best-static sweep (default: %(default)s)",
     )
     up.add_argument(
+        "--sweep-rounds",
+        type=int,
+        default=2,
+        help="rounds of the best-static sweep, interleaved; each candidate counts at the median of its "
+        "rounds (default: %(default)s)",
+    )
+    up.add_argument(
         "--compare-scale",
         type=float,
         default=0.5,
@@ -118,6 +125,8 @@ def options_from_args(args: argparse.Namespace) -> UpOptions:
             raise LocalFleetError(f"--compare: unknown run {c!r}", hint=f"use {runs} or none")
     if args.sweep_point <= 0 or not math.isfinite(args.sweep_point):
         raise LocalFleetError("--sweep-point: must be a positive number of seconds")
+    if args.sweep_rounds < 1:
+        raise LocalFleetError("--sweep-rounds: must be at least 1")
     if args.compare_scale <= 0:
         raise LocalFleetError("--compare-scale: must be > 0")
     if args.controller_window < 5:
@@ -141,6 +150,7 @@ def options_from_args(args: argparse.Namespace) -> UpOptions:
         kv_cache_gib=args.kv_cache_gib,
         window_s=args.controller_window,
         sweep_point_s=args.sweep_point,
+        sweep_rounds=args.sweep_rounds,
     )
 
 

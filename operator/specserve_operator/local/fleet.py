@@ -91,6 +91,7 @@ class UpOptions:
     window_s: float = 60.0
     settle_s: float = 3.0  # quiet gap between two runs, so one run's requests do not leak into the next
     sweep_point_s: float = 8.0  # how long each candidate runs each traffic shape in the best-static sweep
+    sweep_rounds: int = 2  # rounds of the sweep, interleaved; each candidate counts at its median
     seed: int = 0
 
 
@@ -377,8 +378,9 @@ async def _push_fixed(s: Session, clients: dict[str, SidecarClient]) -> None:
 async def _sweep(
     s: Session, loadgen: LoadGenerator, clients: dict[str, SidecarClient], pattern: TrafficPattern
 ) -> SweepResult:
-    """Measure off and every drafter at every K on each shape of the pattern, on the fleet's own pods, and
-    pick the best static table in hindsight (local/sweep.py)."""
+    """Measure off and every drafter at every K on each shape of the pattern, on the fleet's own pods, in
+    rounds (every candidate once a round, so the machine's drift falls on all of them alike), and pick the
+    best static table in hindsight (local/sweep.py)."""
     spec = s.plan.spec
     # Only what the pods can switch to live: an engine started with a colocated drafter runs that one.
     engine_drafter = s.plan.replicas[0].sidecar.engine_drafter
@@ -386,17 +388,19 @@ async def _sweep(
     candidates = sweep_candidates({d.name: d.max_speculative_tokens for d in drafters})
     first = drafters[0].name
     points: list[SweepPoint] = []
-    for shape in sweep_shapes(pattern):
-        for candidate in candidates:
-            k = candidate.k
-            await _apply_everywhere(
-                clients, candidate.drafter or first, "on" if k else "off", lambda _, k=k: k, "sweep"
-            )
-            phase = Phase(RUN_SWEEP, s.opts.sweep_point_s, shape.concurrency, shape.code_fraction)
-            s.say(f"sweep: {_candidate_name(candidate)} at {_shape_name(shape)}")
-            records = await loadgen.run(RUN_SWEEP, TrafficPattern((phase,)))
-            tokens = sum(r.completion_tokens for r in records if r.ok and r.end_s < s.opts.sweep_point_s)
-            points.append(SweepPoint(shape, candidate, tokens / s.opts.sweep_point_s))
+    rounds = s.opts.sweep_rounds
+    for n in range(rounds):
+        for shape in sweep_shapes(pattern):
+            for candidate in candidates:
+                k = candidate.k
+                await _apply_everywhere(
+                    clients, candidate.drafter or first, "on" if k else "off", lambda _, k=k: k, "sweep"
+                )
+                phase = Phase(RUN_SWEEP, s.opts.sweep_point_s, shape.concurrency, shape.code_fraction)
+                s.say(f"sweep {n + 1}/{rounds}: {_candidate_name(candidate)} at {_shape_name(shape)}")
+                records = await loadgen.run(RUN_SWEEP, TrafficPattern((phase,)))
+                tokens = sum(r.completion_tokens for r in records if r.ok and r.end_s < s.opts.sweep_point_s)
+                points.append(SweepPoint(shape, candidate, tokens / s.opts.sweep_point_s))
     table = best_static_table(points, pattern, spec.speculation.batch_buckets)
     s.say(f"best static table: {table.drafter} {table.k_by_bucket}")
     return SweepResult(points, table)

@@ -13,7 +13,7 @@ from pathlib import Path
 from specserve_engine.buckets import INF
 from specserve_operator.local.loadgen import RequestRecord
 from specserve_operator.local.samples import DecisionRecord, FleetSample, to_jsonable
-from specserve_operator.local.sweep import StaticTable, SweepPoint
+from specserve_operator.local.sweep import Candidate, Shape, StaticTable, SweepPoint, median_tokens_per_s
 from specserve_operator.local.traffic import TrafficPattern
 
 # The runs of a session, in the order they are run and shown.
@@ -266,20 +266,25 @@ def render_markdown(data: ReportInput, images: Sequence[str]) -> str:
     if data.sweep is not None:
         t = data.sweep.table
         table = ", ".join(f"{b}: {k}" for b, k in t.k_by_bucket.items())
+        medians = median_tokens_per_s(data.sweep.points)
+        rounds: dict[tuple[Shape, Candidate], list[float]] = {}
+        for pt in data.sweep.points:
+            rounds.setdefault((pt.shape, pt.candidate), []).append(pt.tokens_per_s)
         lines += [
             "## The best static table",
             "",
             f"Chosen from {len(data.sweep.points)} measurements on the same pods (off, and every drafter "
-            f"at every K, on each traffic shape): **{t.drafter}**, K by bucket {table}.",
+            f"at every K, on each traffic shape, in rounds): **{t.drafter}**, K by bucket {table}.",
             "",
-            "| shape | candidate | tokens/s |",
-            "|---|---|---|",
+            "| shape | candidate | tokens/s (median) | rounds |",
+            "|---|---|---|---|",
         ]
-        for pt in data.sweep.points:
-            name = f"{pt.candidate.drafter} K={pt.candidate.k}" if pt.candidate.drafter else "off"
+        for (shape, candidate), median in medians.items():
+            name = f"{candidate.drafter} K={candidate.k}" if candidate.drafter else "off"
+            each = ", ".join(f"{v:.1f}" for v in rounds[(shape, candidate)])
             lines.append(
-                f"| concurrency {pt.shape.concurrency}, {pt.shape.code_fraction:.0%} code | {name} | "
-                f"{pt.tokens_per_s:.1f} |"
+                f"| concurrency {shape.concurrency}, {shape.code_fraction:.0%} code | {name} | "
+                f"{median:.1f} | {each} |"
             )
         lines.append("")
     if data.mal_by_bucket:
@@ -369,8 +374,6 @@ def load_report_input(data_json: Path) -> ReportInput:
 
 
 def _sweep_from(raw: dict) -> SweepResult:
-    from specserve_operator.local.sweep import Candidate, Shape
-
     points = [
         SweepPoint(Shape(**p["shape"]), Candidate(**p["candidate"]), p["tokens_per_s"]) for p in raw["points"]
     ]

@@ -7,6 +7,7 @@ the measurements (docs/local-fleet.md, "The best static table")."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,9 +64,10 @@ def best_static_table(
 ) -> StaticTable:
     """Per drafter, each bucket's K is the one (0 included) that generates the most tokens over the
     phases whose concurrency falls in that bucket; the drafter whose table generates the most tokens over
-    the whole pattern wins. A bucket no phase falls in takes the choice of the nearest bucket that one does
-    (by ratio of bounds): the batch passes through it only on the way between phases."""
-    tps = {(p.shape, p.candidate): p.tokens_per_s for p in points}
+    the whole pattern wins. A candidate measured in several rounds counts at the median of its rounds. A
+    bucket no phase falls in takes the choice of the nearest bucket that one does (by ratio of bounds):
+    the batch passes through it only on the way between phases."""
+    tps = median_tokens_per_s(points)
     drafters = list(dict.fromkeys(p.candidate.drafter for p in points if p.candidate.drafter is not None))
     if not drafters:
         raise ValueError("points: no drafter was measured")
@@ -91,6 +93,14 @@ def best_static_table(
             best = StaticTable(drafter, k_by_bucket, total)
     assert best is not None
     return best
+
+
+def median_tokens_per_s(points: Sequence[SweepPoint]) -> dict[tuple[Shape, Candidate], float]:
+    """Each (shape, candidate)'s tokens/s, the median of its rounds."""
+    rounds: dict[tuple[Shape, Candidate], list[float]] = {}
+    for p in points:
+        rounds.setdefault((p.shape, p.candidate), []).append(p.tokens_per_s)
+    return {key: statistics.median(values) for key, values in rounds.items()}
 
 
 def _nearest(bucket: str, measured: list[str], labels: list[str], bounds: Sequence[int]) -> str:
