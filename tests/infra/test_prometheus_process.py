@@ -62,3 +62,16 @@ def test_waiting_for_a_target_that_does_not_answer_names_it() -> None:
             pytest.raises(PrometheusError, match=f"{dead}/metrics: down"),
         ):
             prom.wait_scraped(timeout_s=10)
+
+
+def test_a_prometheus_that_exits_while_targets_are_awaited_is_reported_at_once() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # never answers: the wait would run its whole timeout
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+        with PrometheusProcess(scrape_configs=[scrape_config("dead", [dead])]) as prom:
+            assert prom._group is not None
+            prom._group.kill()
+            started = time.monotonic()
+            with pytest.raises(PrometheusError, match="prometheus exited with code"):
+                prom.wait_scraped(timeout_s=60)
+            assert time.monotonic() - started < 30  # not the 60 s timeout

@@ -11,7 +11,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +56,7 @@ class PrometheusProcess:
     log_path: Path | None = None
     _group: GroupProcess | None = field(default=None, init=False, repr=False)
     _workdir: Path | None = field(default=None, init=False, repr=False)
+    _log_path: Path | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -76,7 +77,7 @@ class PrometheusProcess:
         }
         config_path = self._workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        log_path = self.log_path or self._workdir / "prometheus.log"
+        log_path = self._log_path = self.log_path or self._workdir / "prometheus.log"
         # Its own process group (a Ctrl-C in the terminal reaches us only), and it dies with us.
         self._group = GroupProcess(
             "prometheus",
@@ -96,23 +97,13 @@ class PrometheusProcess:
         return self
 
     def _wait_ready(self, timeout_s: float, log_path: Path) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            code = self._group.returncode() if self._group is not None else None
-            if code is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                self.stop()
-                hint = f" (is port {self.port} taken?)" if "address already in use" in tail else ""
-                raise PrometheusError(f"prometheus exited with code {code}{hint}:\n{tail}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise PrometheusError(f"prometheus did not become ready on {self.url} within {timeout_s:.0f}s")
+        def answers_ready() -> bool:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp:
+                return resp.status == 200
+
+        if not self._poll(answers_ready, timeout_s, log_path):
+            self.stop()
+            raise PrometheusError(f"prometheus did not become ready on {self.url} within {timeout_s:.0f}s")
 
     def wait_scraped(self, timeout_s: float = 30.0) -> None:
         """Wait until every configured target has been scraped and answered. Prometheus hands a new
@@ -121,22 +112,40 @@ class PrometheusProcess:
         long before the pods, never does."""
         static = [s for job in self.scrape_configs for s in job.get("static_configs", [])]
         expected = sum(len(s["targets"]) for s in static)
-        deadline = time.monotonic() + timeout_s
         targets: list[dict] = []
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.url}/api/v1/targets?state=active", timeout=2) as resp:
-                    targets = json.load(resp)["data"]["activeTargets"]
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                targets = []
-            if len(targets) >= expected and all(t["health"] == "up" for t in targets):
-                return
-            time.sleep(0.2)
+
+        def all_up() -> bool:
+            nonlocal targets
+            with urllib.request.urlopen(f"{self.url}/api/v1/targets?state=active", timeout=2) as resp:
+                targets = json.load(resp)["data"]["activeTargets"]
+            return len(targets) >= expected and all(t["health"] == "up" for t in targets)
+
+        if self._poll(all_up, timeout_s, self._log_path):
+            return
         down = [f"{t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}".strip() for t in targets]
         raise PrometheusError(
             f"prometheus did not scrape all {expected} target(s) within {timeout_s:.0f}s: "
             + ("; ".join(down) if down else "no active targets yet")
         )
+
+    def _poll(self, done: Callable[[], bool], timeout_s: float, log_path: Path | None) -> bool:
+        """Ask `done` every 0.2 s until it answers true (True) or `timeout_s` passes (False). A Prometheus
+        that exits meanwhile is reported at once, with its log's tail, not after the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self._group.returncode() if self._group is not None else None
+            if code is not None:
+                tail = log_path.read_text(errors="replace")[-2000:] if log_path is not None else ""
+                self.stop()
+                hint = f" (is port {self.port} taken?)" if "address already in use" in tail else ""
+                raise PrometheusError(f"prometheus exited with code {code}{hint}:\n{tail}")
+            try:
+                if done():
+                    return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        return False
 
     def stop(self) -> None:
         group, self._group = self._group, None
