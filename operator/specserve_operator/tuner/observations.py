@@ -223,6 +223,7 @@ _ENGINE_KINDS = {STEPS: "steps", STEP_SECONDS: "seconds", TOKENS: "tokens"}
 _SPEC_KINDS = frozenset((DRAFTS, DRAFT_TOKENS, ACCEPTED))
 _POSITION_KINDS = frozenset((ACCEPTED_POS, PROPOSED_POS))
 _SHADOW_KINDS = frozenset((SHADOW_ACCEPTED_POS, SHADOW_PROPOSED_POS))
+_BUCKET_KINDS = frozenset((*_ENGINE_KINDS, *_SPEC_KINDS, RECENT_STEPS))  # rows per batch-size bucket
 _BY_K = {STEPS: "steps_by_k", STEP_SECONDS: "seconds_by_k"}  # the engine counters also kept per K
 _FALLBACK_KINDS = {VLLM_DRAFTS: "drafts", VLLM_DRAFT_TOKENS: "draft_tokens", VLLM_ACCEPTED: "accepted"}
 _KINDS = frozenset(
@@ -316,7 +317,7 @@ def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
         return DROP_KIND
     if not labels.get("namespace") or not labels.get("pod"):
         return DROP_LABELS
-    if (kind in _ENGINE_KINDS or kind in _SPEC_KINDS or kind == RECENT_STEPS) and not labels.get("bucket"):
+    if kind in _BUCKET_KINDS and not labels.get("bucket"):
         return DROP_LABELS
     if kind in _ENGINE_KINDS and labels.get("k"):
         if not _DECIMAL.fullmatch(labels["k"]):
