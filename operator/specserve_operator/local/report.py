@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 from specserve_engine.buckets import INF
 from specserve_operator.local.loadgen import RequestRecord
 from specserve_operator.local.samples import DecisionRecord, FleetSample, to_jsonable
-from specserve_operator.local.sweep import Candidate, Shape, StaticTable, SweepPoint, median_tokens_per_s
+from specserve_operator.local.sweep import Candidate, Shape, StaticTable, SweepPoint, tokens_per_s_by_round
 from specserve_operator.local.traffic import TrafficPattern
 
 # The runs of a session, in the order they are run and shown.
@@ -266,10 +267,7 @@ def render_markdown(data: ReportInput, images: Sequence[str]) -> str:
     if data.sweep is not None:
         t = data.sweep.table
         table = ", ".join(f"{b}: {k}" for b, k in t.k_by_bucket.items())
-        medians = median_tokens_per_s(data.sweep.points)
-        rounds: dict[tuple[Shape, Candidate], list[float]] = {}
-        for pt in data.sweep.points:
-            rounds.setdefault((pt.shape, pt.candidate), []).append(pt.tokens_per_s)
+        rounds = tokens_per_s_by_round(data.sweep.points)
         lines += [
             "## The best static table",
             "",
@@ -279,12 +277,12 @@ def render_markdown(data: ReportInput, images: Sequence[str]) -> str:
             "| shape | candidate | tokens/s (median) | rounds |",
             "|---|---|---|---|",
         ]
-        for (shape, candidate), median in medians.items():
+        for (shape, candidate), values in rounds.items():
             name = f"{candidate.drafter} K={candidate.k}" if candidate.drafter else "off"
-            each = ", ".join(f"{v:.1f}" for v in rounds[(shape, candidate)])
+            each = ", ".join(f"{v:.1f}" for v in values)
             lines.append(
                 f"| concurrency {shape.concurrency}, {shape.code_fraction:.0%} code | {name} | "
-                f"{median:.1f} | {each} |"
+                f"{statistics.median(values):.1f} | {each} |"
             )
         lines.append("")
     if data.mal_by_bucket:

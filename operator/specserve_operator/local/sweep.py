@@ -95,12 +95,17 @@ def best_static_table(
     return best
 
 
-def median_tokens_per_s(points: Sequence[SweepPoint]) -> dict[tuple[Shape, Candidate], float]:
-    """Each (shape, candidate)'s tokens/s, the median of its rounds."""
+def tokens_per_s_by_round(points: Sequence[SweepPoint]) -> dict[tuple[Shape, Candidate], list[float]]:
+    """Each (shape, candidate)'s tokens/s in every round it was measured, in the order measured."""
     rounds: dict[tuple[Shape, Candidate], list[float]] = {}
     for p in points:
         rounds.setdefault((p.shape, p.candidate), []).append(p.tokens_per_s)
-    return {key: statistics.median(values) for key, values in rounds.items()}
+    return rounds
+
+
+def median_tokens_per_s(points: Sequence[SweepPoint]) -> dict[tuple[Shape, Candidate], float]:
+    """Each (shape, candidate)'s tokens/s, the median of its rounds."""
+    return {key: statistics.median(values) for key, values in tokens_per_s_by_round(points).items()}
 
 
 def _nearest(bucket: str, measured: list[str], labels: list[str], bounds: Sequence[int]) -> str:
