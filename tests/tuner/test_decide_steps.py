@@ -547,3 +547,34 @@ def test_a_bucket_turned_off_on_a_remembered_plain_step_turns_on_when_its_plain_
     )
     assert choice.gain >= spec.speculation.min_gain
     assert retune(state, dearer, 230.0) == [] and state.k_by_bucket["64"] == 0
+
+
+def test_a_drafter_not_in_force_counts_as_off_far_above_the_batch_sizes_it_was_measured_at(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """The draft model speculated at batch 3 only; the traffic now runs at batch 48, more than 8 times
+    the bucket it was measured in. In force, it is scored at its extrapolated gain there (it turns the
+    bucket on and is measured a tick later); as a candidate to switch to, bucket 64 counts as off, so no
+    switch rests on the extrapolation."""
+    spec = spec_factory()
+    view = view_of(spec)
+    prior = view.prior(spec.drafters[0])
+    loads = loads_at_prior(bucket_load, prior, buckets=(("4", 3.0),))
+    loads["64"] = bucket_load(batch=48.0, steps_plain=5000, step_s_plain=prior.step_s(48, 0))
+    snap = build_snapshot(rows_for(NS, "pod-a", "draft", loads), 300.0)
+    costs = core.FleetCosts([view], snap)
+    cost = costs.cost(view, spec.drafters[0])
+    # Batches above 8 x 4: from bucket 64 (33-64) on; 16 and 32 are extrapolated as before.
+    labels = policy.bucket_labels(spec.speculation.batch_buckets)
+    assert policy.above_measured_range(cost) == set(labels[labels.index("64") :])
+    accs = {"draft": acceptance(0.8), "ngram": acceptance(0.8, "prior")}
+    observed = list(snap.pods.values())
+    in_force = core.drafter_scores(view, accs, costs, observed, in_force="draft")["draft"]
+    candidate = core.drafter_scores(view, accs, costs, observed, in_force="ngram")["draft"]
+    choices = policy.choose_table(accs["draft"], cost, spec.speculation.batch_buckets, 4)
+    assert choices["64"].gain > 1.0  # the extrapolation would have counted
+    assert candidate == pytest.approx((2000 * choices["4"].gain + 5000 * 1.0) / 7000)
+    assert in_force == pytest.approx((2000 * choices["4"].gain + 5000 * choices["64"].gain) / 7000)
+    # Measured nowhere: every step time is the prior's, and nothing is held back (a trial measures first).
+    never = core.FleetCosts([view], FleetSnapshot(window_s=300.0)).cost(view, spec.drafters[1])
+    assert policy.above_measured_range(never) == set()

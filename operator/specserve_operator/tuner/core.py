@@ -502,12 +502,16 @@ def drafter_scores(
     costs: FleetCosts,
     observations: list[PodObservation],
     names: Iterable[str] | None = None,
+    in_force: str | None = None,
 ) -> dict[str, float]:
     """Predicted goodput on the resource's batch mix of every drafter measured now, or of the drafters
     `names`, whatever their acceptance rests on. The batch mix is the steps per bucket in the acceptance
     window, where the pods report it, else in the metrics window: drafters are ranked on the acceptance
     measured now, and on the metrics window's mix a phase of new traffic would be weighed mostly at
-    the batch sizes of the traffic before it."""
+    the batch sizes of the traffic before it. Every drafter but the one `in_force` counts as off in the
+    buckets above those its speculative steps were measured in (`policy.above_measured_range`): the
+    fleet does not switch to a drafter on step times extrapolated up the batch sizes; the one in force
+    turns such buckets on to measure them (`policy.gain_caps`) and is measured there a tick later."""
     recent: dict[str, float] = {}
     weights: dict[str, float] = {}
     for obs in observations:
@@ -520,7 +524,9 @@ def drafter_scores(
     bounds = tuple(view.spec.speculation.batch_buckets)
     wanted = set(names) if names is not None else {n for n, a in accs.items() if a.source in MEASURED_NOW}
     return {
-        name: policy.drafter_score(accs[name], costs.cost(view, d), bounds, d.max_speculative_tokens, weights)
+        name: policy.drafter_score(
+            accs[name], costs.cost(view, d), bounds, d.max_speculative_tokens, weights, name != in_force
+        )
         for name, d in {d.name: d for d in view.spec.drafters}.items()
         if name in wanted
     }
@@ -960,7 +966,7 @@ def decide(
     accs, state.acceptance_seen = recalled_acceptance(
         measured_acceptance(drafters, observations), state.acceptance_seen, now
     )
-    scores = drafter_scores(view, accs, costs, observations)
+    scores = drafter_scores(view, accs, costs, observations, in_force=state.drafter)
     failing = failing_drafters(observations)
     demoted = demotions(
         drafters, accs, state.demoted, state.under_floor_since, view.spec.speculation, now, failing
@@ -975,7 +981,9 @@ def decide(
         # operator restarted. Until it is measured, the drafter in force stands at what the prior predicts
         # for it on the calibrated step times, not at plain decoding, which any drafter a trial measured
         # would beat.
-        never_measured = drafter_scores(view, accs, costs, observations, (state.drafter,))[state.drafter]
+        never_measured = drafter_scores(view, accs, costs, observations, (state.drafter,), state.drafter)[
+            state.drafter
+        ]
     # A drafter whose speculative steps were never measured on its own (only its shadow acceptance, on
     # borrowed step times) is tried on a canary first (next_canary), not switched to fleet-wide.
     candidates = {

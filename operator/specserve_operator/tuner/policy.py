@@ -25,6 +25,9 @@ from specserve_operator.tuner.observations import BucketStats
 # Fewer samples than these and a measurement is not trusted (the prior stands).
 MIN_STEPS = 20.0
 MIN_DRAFTS = 50.0
+# A drafter not in force is scored as off in buckets whose batches are more than this many times the
+# largest one its speculative steps were measured at (above_measured_range).
+MAX_EXTRAPOLATION = 8.0
 # Acceptance at positions never measured continues the last measured one, a little lower: acceptance
 # streams are over-dispersed, so the i.i.d. extrapolation over-predicts (speculation-research §1.4).
 EXTRAPOLATION_DECAY = 0.97
@@ -602,14 +605,40 @@ def update_table(
 
 
 def drafter_score(
-    acc: Acceptance, cost: CalibratedCost, bounds: Sequence[int], max_k: int, weights: Mapping[str, float]
+    acc: Acceptance,
+    cost: CalibratedCost,
+    bounds: Sequence[int],
+    max_k: int,
+    weights: Mapping[str, float],
+    measured_range_only: bool = False,
 ) -> float:
     """Predicted goodput over plain decoding across the fleet's batch mix (weights: steps per bucket),
-    each bucket at its best K or off: how much this drafter would be worth on the traffic seen."""
+    each bucket at its best K or off: how much this drafter would be worth on the traffic seen. With
+    `measured_range_only`, a bucket far above every bucket where its speculative steps were measured
+    counts as off (gain 1), not at a gain extrapolated up the batch sizes (`above_measured_range`)."""
     total = sum(weights.values())
     if total <= 0:
         weights = {label: 1.0 for label in bucket_labels(bounds)}
         total = float(len(weights))
     choices = choose_table(acc, cost, bounds, max_k)
-    score = sum(w * max(1.0, choices[label].gain) for label, w in weights.items() if label in choices)
+    unknown = above_measured_range(cost) if measured_range_only else set()
+    score = sum(
+        w * (1.0 if label in unknown else max(1.0, choices[label].gain))
+        for label, w in weights.items()
+        if label in choices
+    )
     return score / total
+
+
+def above_measured_range(cost: CalibratedCost) -> set[str]:
+    """The buckets whose smallest batch is more than MAX_EXTRAPOLATION times the largest batch of any
+    bucket where speculative steps were measured (in the window or remembered); none where nothing was
+    (every step time is then the prior's, and a trial measures it first). A step's cost can grow with
+    the batch far faster than the prior's roofline says: on a CPU the draft model measured a gain of 2.6
+    at batch 1, was predicted 1.9 at batch 16, and measured 0.32 there (docs/policy.md, "Comparing
+    drafters")."""
+    measured = [hi for label, (_, hi) in cost.ranges.items() if cost.measured_spec(label)]
+    if not measured:
+        return set()
+    limit = MAX_EXTRAPOLATION * max(measured)
+    return {label for label, (lo, _) in cost.ranges.items() if lo > limit}
