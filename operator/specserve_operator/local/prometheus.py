@@ -93,15 +93,15 @@ class PrometheusProcess:
             log_path,
         )
         self._group.start()
-        self._wait_ready(timeout_s, log_path)
+        self._wait_ready(timeout_s)
         return self
 
-    def _wait_ready(self, timeout_s: float, log_path: Path) -> None:
+    def _wait_ready(self, timeout_s: float) -> None:
         def answers_ready() -> bool:
             with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp:
                 return resp.status == 200
 
-        if not self._poll(answers_ready, timeout_s, log_path):
+        if not self._poll(answers_ready, timeout_s):
             self.stop()
             raise PrometheusError(f"prometheus did not become ready on {self.url} within {timeout_s:.0f}s")
 
@@ -120,7 +120,7 @@ class PrometheusProcess:
                 targets = json.load(resp)["data"]["activeTargets"]
             return len(targets) >= expected and all(t["health"] == "up" for t in targets)
 
-        if self._poll(all_up, timeout_s, self._log_path):
+        if self._poll(all_up, timeout_s):
             return
         down = [f"{t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}".strip() for t in targets]
         raise PrometheusError(
@@ -128,14 +128,15 @@ class PrometheusProcess:
             + ("; ".join(down) if down else "no active targets yet")
         )
 
-    def _poll(self, done: Callable[[], bool], timeout_s: float, log_path: Path | None) -> bool:
+    def _poll(self, done: Callable[[], bool], timeout_s: float) -> bool:
         """Ask `done` every 0.2 s until it answers true (True) or `timeout_s` passes (False). A Prometheus
         that exits meanwhile is reported at once, with its log's tail, not after the timeout."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self._group.returncode() if self._group is not None else None
             if code is not None:
-                tail = log_path.read_text(errors="replace")[-2000:] if log_path is not None else ""
+                log = self._log_path
+                tail = log.read_text(errors="replace")[-2000:] if log is not None else ""
                 self.stop()
                 hint = f" (is port {self.port} taken?)" if "address already in use" in tail else ""
                 raise PrometheusError(f"prometheus exited with code {code}{hint}:\n{tail}")
