@@ -566,7 +566,7 @@ def test_a_drafter_not_in_force_counts_as_off_far_above_the_batch_sizes_it_was_m
     cost = costs.cost(view, spec.drafters[0])
     # Batches above 8 x 4: from bucket 64 (33-64) on; 16 and 32 are extrapolated as before.
     labels = policy.bucket_labels(spec.speculation.batch_buckets)
-    assert policy.above_measured_range(cost) == set(labels[labels.index("64") :])
+    assert cost.above_measured_range == set(labels[labels.index("64") :])
     accs = {"draft": acceptance(0.8), "ngram": acceptance(0.8, "prior")}
     observed = list(snap.pods.values())
     in_force = core.drafter_scores(view, accs, costs, observed, in_force="draft")["draft"]
@@ -577,4 +577,4 @@ def test_a_drafter_not_in_force_counts_as_off_far_above_the_batch_sizes_it_was_m
     assert in_force == pytest.approx((2000 * choices["4"].gain + 5000 * choices["64"].gain) / 7000)
     # Measured nowhere: every step time is the prior's, and nothing is held back (a trial measures first).
     never = core.FleetCosts([view], FleetSnapshot(window_s=300.0)).cost(view, spec.drafters[1])
-    assert policy.above_measured_range(never) == set()
+    assert never.above_measured_range == set()

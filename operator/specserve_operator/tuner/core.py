@@ -510,7 +510,7 @@ def drafter_scores(
     measured now, and on the metrics window's mix a phase of new traffic would be weighed mostly at
     the batch sizes of the traffic before it. Every drafter but the one `in_force` counts as off in the
     buckets more than `policy.MAX_EXTRAPOLATION` times the batches its speculative steps were measured at
-    (`policy.above_measured_range`): the fleet does not switch to a drafter on step times extrapolated
+    (`CalibratedCost.above_measured_range`): the fleet does not switch to a drafter on step times extrapolated
     that far; the one in force turns such buckets on (`policy.gain_caps`) and is measured there a tick
     later."""
     recent: dict[str, float] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from specserve_engine.buckets import INF, bucket_labels
 from specserve_operator.tuner.costmodel import StepCostPrior
@@ -26,7 +27,7 @@ from specserve_operator.tuner.observations import BucketStats
 MIN_STEPS = 20.0
 MIN_DRAFTS = 50.0
 # A drafter not in force is scored as off in buckets whose batches are more than this many times the
-# largest one its speculative steps were measured at (above_measured_range).
+# largest one its speculative steps were measured at (CalibratedCost.above_measured_range).
 MAX_EXTRAPOLATION = 8.0
 # Acceptance at positions never measured continues the last measured one, a little lower: acceptance
 # streams are over-dispersed, so the i.i.d. extrapolation over-predicts (speculation-research §1.4).
@@ -381,6 +382,20 @@ class CalibratedCost:
         borrowed from a sibling)."""
         return bool(self.excess_ratio or self.remembered_excess)
 
+    @cached_property
+    def above_measured_range(self) -> frozenset[str]:
+        """The buckets whose smallest batch is more than MAX_EXTRAPOLATION times the largest batch of any
+        bucket where speculative steps were measured (in the window or remembered); none where nothing
+        was (every step time is then the prior's, and a trial measures it first). A step's cost can grow
+        with the batch far faster than the prior's roofline says: on a CPU the draft model measured a
+        gain of 2.6 at batch 1, was predicted 1.9 at batch 16, and measured 0.32 there (docs/policy.md,
+        "Comparing drafters"). Cached: one cost group serves every resource of the group in a tick."""
+        measured = [hi for label, (_, hi) in self.ranges.items() if self.measured_spec(label)]
+        if not measured:
+            return frozenset()
+        limit = MAX_EXTRAPOLATION * max(measured)
+        return frozenset(label for label, (lo, _) in self.ranges.items() if lo > limit)
+
     def measured_spec(self, label: str) -> bool:
         """Whether speculative steps in this bucket were measured, in the window or remembered."""
         return label in self.excess_ratio or label in self.remembered_excess
@@ -615,30 +630,17 @@ def drafter_score(
     """Predicted goodput over plain decoding across the fleet's batch mix (weights: steps per bucket),
     each bucket at its best K or off: how much this drafter would be worth on the traffic seen. With
     `measured_range_only`, a bucket far above every bucket where its speculative steps were measured
-    counts as off (gain 1), not at a gain extrapolated up the batch sizes (`above_measured_range`)."""
+    counts as off (gain 1), not at a gain extrapolated up the batch sizes
+    (`CalibratedCost.above_measured_range`)."""
     total = sum(weights.values())
     if total <= 0:
         weights = {label: 1.0 for label in bucket_labels(bounds)}
         total = float(len(weights))
     choices = choose_table(acc, cost, bounds, max_k)
-    unknown = above_measured_range(cost) if measured_range_only else set()
+    unknown = cost.above_measured_range if measured_range_only else frozenset()
     score = sum(
         w * (1.0 if label in unknown else max(1.0, choices[label].gain))
         for label, w in weights.items()
         if label in choices
     )
     return score / total
-
-
-def above_measured_range(cost: CalibratedCost) -> set[str]:
-    """The buckets whose smallest batch is more than MAX_EXTRAPOLATION times the largest batch of any
-    bucket where speculative steps were measured (in the window or remembered); none where nothing was
-    (every step time is then the prior's, and a trial measures it first). A step's cost can grow with
-    the batch far faster than the prior's roofline says: on a CPU the draft model measured a gain of 2.6
-    at batch 1, was predicted 1.9 at batch 16, and measured 0.32 there (docs/policy.md, "Comparing
-    drafters")."""
-    measured = [hi for label, (_, hi) in cost.ranges.items() if cost.measured_spec(label)]
-    if not measured:
-        return set()
-    limit = MAX_EXTRAPOLATION * max(measured)
-    return {label for label, (lo, _) in cost.ranges.items() if lo > limit}
