@@ -355,7 +355,8 @@ def test_a_bucket_off_on_remembered_step_times_is_measured_again_where_it_could_
     # Speculation 20 times dearer than the prior there: slower than plain decoding, no canary.
     view, state, costs, observations = _remembered_off(spec_factory, rows_for, bucket_load, slow=20.0)
     assert policy.best_k(accs["draft"], costs.cost(view, view.spec.drafters[0]), "64", 4).gain < 1.0
-    assert core.next_canary(view, state, accs, costs, observations, 0.0) == (None, None)
+    canary, _ = core.next_canary(view, state, accs, costs, observations, 0.0)
+    assert canary is not None and canary.k_by_bucket["64"] == 0  # a probe of an on bucket's K, not 64
     # The same step times as the first case, measured in the window: they stand.
     loads = loads_at_prior(bucket_load, view.prior(view.spec.drafters[0]), k=4, slow=1.2)
     snap = build_snapshot(
@@ -363,7 +364,53 @@ def test_a_bucket_off_on_remembered_step_times_is_measured_again_where_it_could_
     )
     costs = core.FleetCosts([view], snap)
     assert costs.cost(view, view.spec.drafters[0]).measured_spec_now("64")
-    assert core.next_canary(view, state, accs, costs, list(snap.pods.values()), 0.0) == (None, None)
+    canary, _ = core.next_canary(view, state, accs, costs, list(snap.pods.values()), 0.0)
+    assert canary is not None and canary.k_by_bucket["64"] == 0
+
+
+def _on_at(spec_factory, rows_for, bucket_load, ks: tuple[int, ...]):
+    """One drafter, buckets 4, 16 and 64 on at K = 3, each pod's speculative steps there at one K of
+    `ks` (pod-a the first, pod-b the last) as fast as the prior predicts; acceptance measured now."""
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
+    view = view_of(spec)
+    prior = view.prior(spec.drafters[0])
+    rows = rows_for(NS, "pod-a", "draft", loads_at_prior(bucket_load, prior, k=ks[0]))
+    rows += rows_for(NS, "pod-b", "draft", loads_at_prior(bucket_load, prior, k=ks[-1]))
+    snap = build_snapshot(rows, 300.0)
+    state = core.ResourceState.initial(spec)
+    state.k_by_bucket = {label: (3 if label in ("4", "16", "64") else 0) for label in state.k_by_bucket}
+    state.last_score["draft"] = 1.5
+    return view, state, core.FleetCosts([view], snap), list(snap.pods.values())
+
+
+def test_a_k_measured_alone_in_its_bucket_has_its_neighbour_probed_on_a_canary(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """Every bucket with traffic is on, its step time measured at the K in force only: the prior's shape
+    prices every other K. The canary runs the neighbouring K predicted best in one bucket, so the window
+    holds two Ks there; once it does, or while acceptance is not measured now, no probe goes."""
+    view, state, costs, observations = _on_at(spec_factory, rows_for, bucket_load, (3,))
+    accs = {"draft": acceptance(0.8)}
+    canary, note = core.next_canary(view, state, accs, costs, observations, 0.0)
+    assert canary is not None and canary.purpose == "explore" and not canary.remeasure
+    changed = {b: k for b, k in canary.k_by_bucket.items() if k != state.k_by_bucket[b]}
+    assert len(changed) == 1
+    ((label, k),) = changed.items()
+    cost = costs.cost(view, view.spec.drafters[0])
+    choice = policy.best_k(accs["draft"], cost, label, 4)
+    assert k in (2, 4) and choice.gain_at(k) >= choice.gain_at(3) * (1 - core.PROBE_SHORTFALL)
+    assert choice.gain_at(k) >= choice.gain_at(6 - k)  # the better neighbour
+    assert note == f"probe bucket {label} at k={k} on pod pod-a: its step time is not measured now"
+    assert core.next_canary(
+        view, state, {"draft": acceptance(0.8, "remembered")}, costs, observations, 0.0
+    ) == (
+        None,
+        None,
+    )
+    view, state, costs, observations = _on_at(spec_factory, rows_for, bucket_load, (3, 4))
+    assert costs.cost(view, view.spec.drafters[0]).measured_ks_now("16") == (3, 4)
+    assert core.next_canary(view, state, accs, costs, observations, 0.0) == (None, None)
 
 
 def test_a_remeasuring_canary_that_measured_nothing_does_not_use_up_the_share(

@@ -464,9 +464,11 @@ def test_ks_remembered_from_earlier_windows_join_the_fit_and_a_k_measured_now_wi
     assert memory.recall_by_k("g", 700.0) == {}  # expired with the other ratios
 
 
-def test_a_shape_within_noise_of_the_priors_keeps_one_ratio() -> None:
-    """Measured at two Ks whose ratios differ by less than AFFINE_SHAPE_GAP: noise on the prior's shape,
-    not a fixed cost; one ratio stands."""
+def test_a_shape_within_noise_of_the_priors_is_priced_per_k_measured_in_the_window() -> None:
+    """Measured in the window at two Ks whose ratios differ by less than AFFINE_SHAPE_GAP: no fixed
+    cost is fitted, but each K measured now is priced at its own ratio, a K between them at the ratio
+    interpolated, and one beyond them at the nearest one's (a probe of the next K, `core._k_probe`,
+    measures it before the table moves further)."""
     p = prior()
     label, batch = "32", 24.0
 
@@ -475,7 +477,16 @@ def test_a_shape_within_noise_of_the_priors_keeps_one_ratio() -> None:
         return p.step_s(batch, 0) + 1.5 * bump * (p.step_s(batch, k) - p.step_s(batch, 0))
 
     cost = tuner_policy.CalibratedCost(p, {label: _steps_at_ks(p, batch, true_step, (2, 4))}, BOUNDS)
-    assert label not in cost.affine and set(cost.excess_by_k[label]) == {2, 4}
+    assert label not in cost.affine and cost.measured_ks_now(label) == (2, 4)
+    for k in (2, 4):
+        assert cost.step_s(label, k) == pytest.approx(true_step(k), rel=1e-6)
+    plain, excess = p.step_s(batch, 0), {k: p.step_s(batch, k) - p.step_s(batch, 0) for k in range(1, 6)}
+    assert cost.step_s(label, 3) == pytest.approx(plain + excess[3] * 1.5 * 1.15, rel=1e-6)
+    assert cost.step_s(label, 1) == pytest.approx(plain + excess[1] * 1.5 * 1.3, rel=1e-6)
+    assert cost.step_s(label, 5) == pytest.approx(plain + excess[5] * 1.5, rel=1e-6)
+    # Measured at one K only, that K's ratio prices every K.
+    one = tuner_policy.CalibratedCost(p, {label: _steps_at_ks(p, batch, true_step, (2,))}, BOUNDS)
+    assert one.step_s(label, 4) == pytest.approx(plain + excess[4] * 1.5 * 1.3, rel=1e-6)
 
 
 def test_a_drafter_that_proposes_to_half_the_sequences_gains_half_the_extra_tokens() -> None:

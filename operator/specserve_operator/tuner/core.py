@@ -24,6 +24,8 @@ SWITCH_MARGIN = 0.05
 TRIAL_PERIOD_S = 1200.0
 TRIAL_TICKS = 4
 EXPLORE_TICKS = 2
+# A neighbouring K predicted this much below the K in force (or better) is probed (_k_probe).
+PROBE_SHORTFALL = 0.1
 # A demotion is reconsidered (the drafter tried again) after this long: traffic changes.
 DEMOTION_TTL_S = 3600.0
 # A drafter's last measured acceptance stands in for the prior this long: acceptance follows the traffic.
@@ -862,6 +864,46 @@ def _explore_canary(
         table[label] = k
         canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore", remeasure)
         return canary, f"explore bucket {label} with k={k} on pod {pod}{why}"
+    if accs[state.drafter].source not in FRESH_ACCEPTANCE:
+        return None
+    probe = _k_probe(state.k_by_bucket, accs[state.drafter], cost, max_k, observations)
+    if probe is None:
+        return None
+    label, k = probe
+    table = dict(state.k_by_bucket)
+    table[label] = k
+    canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
+    return canary, f"probe bucket {label} at k={k} on pod {pod}: its step time is not measured now"
+
+
+def _k_probe(
+    table: Mapping[str, int],
+    acc: policy.Acceptance,
+    cost: policy.CalibratedCost,
+    max_k: int,
+    observations: list[PodObservation],
+) -> tuple[str, int] | None:
+    """The bucket and K of the next probe, or None: in the on bucket with the most speculative steps
+    in the window whose step time was measured there at one K only, the neighbouring K predicted to come
+    within PROBE_SHORTFALL of the K in force (the better of the two). The prior's shape in K prices
+    every other K from that one measurement; on the gpu truth it made K = 5 at batch 57 dearer than
+    K = 3 where it is cheaper per token (docs/policy.md, "Probing the next K")."""
+    steps: dict[str, float] = {}
+    for obs in observations:
+        for label, s in obs.buckets.items():
+            steps[label] = steps.get(label, 0.0) + s.steps_spec
+    for label in sorted(steps, key=lambda b: -steps[b]):
+        k_now = table.get(label, 0)
+        if k_now <= 0 or set(cost.measured_ks_now(label)) != {k_now}:
+            continue
+        choice = policy.best_k(acc, cost, label, max_k)
+        near = [
+            k
+            for k in (k_now - 1, k_now + 1)
+            if 1 <= k <= max_k and choice.gain_at(k) >= choice.gain_at(k_now) * (1 - PROBE_SHORTFALL)
+        ]
+        if near:
+            return label, max(near, key=choice.gain_at)
     return None
 
 

@@ -404,6 +404,10 @@ class CalibratedCost:
         """Whether plain steps in this bucket were measured in the window."""
         return label in self.plain_ratio
 
+    def measured_ks_now(self, label: str) -> tuple[int, ...]:
+        """The Ks whose speculative steps in this bucket were measured in the window (MIN_STEPS each)."""
+        return tuple(sorted(self.excess_by_k.get(label, {})))
+
     def measured_spec_now(self, label: str) -> bool:
         """Whether speculative steps in this bucket were measured in the window."""
         return label in self.excess_ratio
@@ -431,10 +435,27 @@ class CalibratedCost:
             if k > 0 and label in self.affine:
                 fixed, slope = self.affine[label]
                 excess = fixed + (self.prior.step_s(b, k) - plain) * slope
+            elif k > 0 and len(self.excess_by_k.get(label, {})) >= 2:
+                excess = (self.prior.step_s(b, k) - plain) * _interpolated(self.excess_by_k[label], k)
             elif k > 0:
                 excess = (self.prior.step_s(b, k) - plain) * self.ratio(label, k)
             self._memo[key] = (plain * self.ratio(label, 0), excess)
         return self._memo[key]
+
+
+def _interpolated(ratios: Mapping[int, float], k: int) -> float:
+    """The ratio at K from ratios measured at other Ks: linear between the nearest measured Ks on either
+    side, the nearest one's beyond them."""
+    if k in ratios:
+        return ratios[k]
+    below = [m for m in ratios if m < k]
+    above = [m for m in ratios if m > k]
+    if not below:
+        return ratios[min(above)]
+    if not above:
+        return ratios[max(below)]
+    lo, hi = max(below), min(above)
+    return ratios[lo] + (ratios[hi] - ratios[lo]) * (k - lo) / (hi - lo)
 
 
 def _median(values: object, default: float) -> float:
