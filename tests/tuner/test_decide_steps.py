@@ -368,18 +368,19 @@ def test_a_bucket_off_on_remembered_step_times_is_measured_again_where_it_could_
     assert canary is not None and canary.k_by_bucket["64"] == 0
 
 
-def _on_at(spec_factory, rows_for, bucket_load, ks: tuple[int, ...]):
-    """One drafter, buckets 4, 16 and 64 on at K = 3, each pod's speculative steps there at one K of
-    `ks` (pod-a the first, pod-b the last) as fast as the prior predicts; acceptance measured now."""
+def _on_at(spec_factory, rows_for, bucket_load, ks: tuple[int, ...], slow: float = 1.0):
+    """One drafter, buckets 4, 16 and 64 on at the first K of `ks`, each pod's speculative steps there
+    at one K of `ks` (pod-a the first, pod-b the last), `slow` times the prior's step time."""
     spec = spec_factory()
     spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
     view = view_of(spec)
     prior = view.prior(spec.drafters[0])
-    rows = rows_for(NS, "pod-a", "draft", loads_at_prior(bucket_load, prior, k=ks[0]))
-    rows += rows_for(NS, "pod-b", "draft", loads_at_prior(bucket_load, prior, k=ks[-1]))
+    rows = rows_for(NS, "pod-a", "draft", loads_at_prior(bucket_load, prior, k=ks[0], slow=slow))
+    rows += rows_for(NS, "pod-b", "draft", loads_at_prior(bucket_load, prior, k=ks[-1], slow=slow))
     snap = build_snapshot(rows, 300.0)
     state = core.ResourceState.initial(spec)
-    state.k_by_bucket = {label: (3 if label in ("4", "16", "64") else 0) for label in state.k_by_bucket}
+    on = ("4", "16", "64")
+    state.k_by_bucket = {label: (ks[0] if label in on else 0) for label in state.k_by_bucket}
     state.last_score["draft"] = 1.5
     return view, state, core.FleetCosts([view], snap), list(snap.pods.values())
 
@@ -410,6 +411,13 @@ def test_a_k_measured_alone_in_its_bucket_has_its_neighbour_probed_on_a_canary(
     )
     view, state, costs, observations = _on_at(spec_factory, rows_for, bucket_load, (3, 4))
     assert costs.cost(view, view.spec.drafters[0]).measured_ks_now("16") == (3, 4)
+    assert core.next_canary(view, state, accs, costs, observations, 0.0) == (None, None)
+    # K = 1 in force, speculation 20 times dearer than the prior: K = 2 predicted far below it, no probe.
+    view, state, costs, observations = _on_at(spec_factory, rows_for, bucket_load, (1,), slow=20.0)
+    cost = costs.cost(view, view.spec.drafters[0])
+    for label in ("4", "16", "64"):
+        choice = policy.best_k(accs["draft"], cost, label, 4)
+        assert choice.gain_at(2) < choice.gain_at(1) * (1 - core.PROBE_SHORTFALL)
     assert core.next_canary(view, state, accs, costs, observations, 0.0) == (None, None)
 
 

@@ -303,7 +303,10 @@ class CalibratedCost:
     c, a fixed cost per speculative step, and s, the slope, fitted on the Ks measured (`_affine_excess`).
     A drafter whose step costs the same at any K (an n-gram lookup behind an RPC, on a CPU) then looks no
     cheaper at K = 1 than it measured at K = 4, where one ratio would have scaled its measured cost down
-    with the prior's."""
+    with the prior's. Without such a fit, a bucket measured in the window at two or more Ks prices each
+    of them at its own excess ratio, and the Ks between and beyond them interpolated (`_interpolated`):
+    the truth's shape in K, not the prior's, where the window shows it (docs/policy.md, "Each K measured
+    now, at its own ratio")."""
 
     def __init__(
         self,
