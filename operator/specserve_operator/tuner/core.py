@@ -886,8 +886,8 @@ def _k_probe(
     """The bucket and K of the next probe, or None: in the on bucket with the most speculative steps
     in the window whose step time was measured there at one K only, the neighbouring K predicted to come
     within PROBE_SHORTFALL of the K in force (the better of the two). The prior's shape in K prices
-    every other K from that one measurement; on the gpu truth it made K = 5 at batch 57 dearer than
-    K = 3 where it is cheaper per token (docs/policy.md, "Probing the next K")."""
+    every other K from that one measurement; on the gpu truth, measured at K = 3 at batch 57, it priced
+    K = 5 at 17.5 ms where it takes 13.6 (docs/policy.md, "Keeping measurements fresh: canaries")."""
     steps: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
