@@ -403,12 +403,8 @@ def test_a_k_measured_alone_in_its_bucket_has_its_neighbour_probed_on_a_canary(
     assert k in (2, 4) and choice.gain_at(k) >= choice.gain_at(3) * (1 - core.PROBE_SHORTFALL)
     assert choice.gain_at(k) >= choice.gain_at(6 - k)  # the better neighbour
     assert note == f"probe bucket {label} at k={k} on pod pod-a: its step time is not measured now"
-    assert core.next_canary(
-        view, state, {"draft": acceptance(0.8, "remembered")}, costs, observations, 0.0
-    ) == (
-        None,
-        None,
-    )
+    stale = {"draft": acceptance(0.8, "remembered")}
+    assert core.next_canary(view, state, stale, costs, observations, 0.0) == (None, None)
     view, state, costs, observations = _on_at(spec_factory, rows_for, bucket_load, (3, 4))
     assert costs.cost(view, view.spec.drafters[0]).measured_ks_now("16") == (3, 4)
     assert core.next_canary(view, state, accs, costs, observations, 0.0) == (None, None)

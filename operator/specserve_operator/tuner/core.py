@@ -894,7 +894,7 @@ def _k_probe(
             steps[label] = steps.get(label, 0.0) + s.steps_spec
     for label in sorted(steps, key=lambda b: -steps[b]):
         k_now = table.get(label, 0)
-        if k_now <= 0 or set(cost.measured_ks_now(label)) != {k_now}:
+        if k_now <= 0 or cost.measured_ks_now(label) != (k_now,):
             continue
         choice = policy.best_k(acc, cost, label, max_k)
         near = [
