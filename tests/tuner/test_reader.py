@@ -199,10 +199,11 @@ def test_missing_plugin_falls_back_to_vllm_counters(prometheus_factory) -> None:
 class _Stub(BaseHTTPRequestHandler):
     delay_s = 0.0
     body = b""
+    status = 200
 
     def do_GET(self) -> None:
         time.sleep(self.delay_s)
-        self.send_response(200)
+        self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
         self.wfile.write(self.body)
@@ -215,8 +216,8 @@ class _Stub(BaseHTTPRequestHandler):
 def stub_prometheus() -> Iterator:
     servers = []
 
-    def start(body: bytes, delay_s: float = 0.0) -> str:
-        handler = type("Handler", (_Stub,), {"body": body, "delay_s": delay_s})
+    def start(body: bytes, delay_s: float = 0.0, status: int = 200) -> str:
+        handler = type("Handler", (_Stub,), {"body": body, "delay_s": delay_s, "status": status})
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -263,6 +264,30 @@ def test_prometheus_garbage(stub_prometheus, body: bytes) -> None:
     with pytest.raises(MetricsUnavailable) as err:
         PrometheusReader(stub_prometheus(body), timeout_s=1).read()
     assert err.value.reason == "PrometheusGarbage"
+
+
+@needs_prometheus
+def test_a_query_prometheus_refuses_is_named_with_its_error(prometheus_factory) -> None:
+    """The real Prometheus answers a query it cannot run with HTTP 400 and its errorType and error."""
+    reader = PrometheusReader(prometheus_factory(openmetrics="# EOF\n").url, timeout_s=2)
+    with pytest.raises(MetricsUnavailable) as err:
+        list(reader.query("sum by (pod) ("))
+    assert err.value.reason == "PrometheusError"
+    assert "HTTP 400, bad_data: " in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (503, b"Service Unavailable"),  # a proxy in front of Prometheus
+        (200, b'{"status":"error","errorType":"timeout","error":"query timed out in expression evaluation"}'),
+    ],
+)
+def test_an_error_answer_is_a_prometheus_error(stub_prometheus, status: int, body: bytes) -> None:
+    with pytest.raises(MetricsUnavailable) as err:
+        PrometheusReader(stub_prometheus(body, status=status), timeout_s=1).read()
+    assert err.value.reason == "PrometheusError"
+    assert f"HTTP {status}" in str(err.value)
 
 
 def test_rows_rejected_at_the_boundary_are_counted(stub_prometheus) -> None:

@@ -8,14 +8,13 @@ specserve_engine.metric_names, the single source shared with the plugin, the das
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import requests
-from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from prometheus_client import Counter
-from urllib3.util.retry import Retry
 
 from specserve_engine import metric_names
 from specserve_operator.tuner import observations
@@ -136,6 +135,28 @@ class MetricsUnavailable(Exception):
         self.reason = reason
 
 
+def _vector_of(url: str, response: requests.Response) -> object:
+    """The `data.result` of a query's answer; an error answer or one that is not JSON raises
+    MetricsUnavailable."""
+    try:
+        body = json.loads(response.content)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        if response.status_code != 200:
+            raise MetricsUnavailable("PrometheusError", f"{url}: HTTP {response.status_code}") from exc
+        raise MetricsUnavailable("PrometheusGarbage", f"{url}: not JSON: {exc}"[:500]) from exc
+    if not isinstance(body, dict):
+        raise MetricsUnavailable("PrometheusGarbage", f"{url}: expected an object, got {type(body).__name__}")
+    if response.status_code != 200 or body.get("status") != "success":
+        # Prometheus's own answer to a bad or failed query: its errorType and error say what went wrong.
+        what = f"{body.get('errorType', 'error')}: {body.get('error', '')}"
+        raise MetricsUnavailable("PrometheusError", f"{url}: HTTP {response.status_code}, {what}"[:500])
+    data = body.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "vector":
+        kind = data.get("resultType") if isinstance(data, dict) else type(data).__name__
+        raise MetricsUnavailable("PrometheusGarbage", f"{url}: expected a vector, got {kind}")
+    return data.get("result")
+
+
 def parse_vector(result: object) -> Iterator[observations.Row]:
     """Rows from an instant-vector result, one at a time; anything else raises MetricsUnavailable.
 
@@ -170,43 +191,31 @@ class PrometheusReader:
     timeout_s: float = 5.0
     headers: dict[str, str] | None = None
     queries: int = 0
-    _client: PrometheusConnect | None = field(default=None, init=False, repr=False)
+    _session: requests.Session | None = field(default=None, init=False, repr=False)
 
     @property
     def short_window_s(self) -> float:
         return self.acceptance_window_s or observations.acceptance_window_of(self.window_s)
 
-    def _connect(self) -> PrometheusConnect:
-        if self._client is None:
-            # No retries inside a tick: the controller backs off between ticks instead.
-            self._client = PrometheusConnect(
-                url=self.url,
-                headers=self.headers,
-                disable_ssl=True,
-                retry=Retry(total=0),
-                timeout=self.timeout_s,
-            )
-        return self._client
-
     def query(self, promql: str) -> Iterator[observations.Row]:
         self.queries += 1
+        if self._session is None:
+            # A plain session mounts adapters without retries: the controller backs off between ticks.
+            self._session = requests.Session()
         try:
-            result = self._connect().custom_query(promql)
-        except requests.JSONDecodeError as exc:
-            raise MetricsUnavailable("PrometheusGarbage", f"{self.url}: not JSON: {exc}"[:500]) from exc
+            response = self._session.get(
+                f"{self.url.rstrip('/')}/api/v1/query",
+                params={"query": promql},
+                headers=self.headers,
+                timeout=self.timeout_s,
+            )
         except requests.RequestException as exc:
             # Without retries urllib3 reports a read timeout as a connection error: look at the text.
             if isinstance(exc, requests.Timeout) or "timed out" in str(exc).lower():
                 slow = f"{self.url}: no answer within {self.timeout_s:g}s"
                 raise MetricsUnavailable("PrometheusSlow", slow) from exc
             raise MetricsUnavailable("PrometheusDown", f"{self.url}: {type(exc).__name__}: {exc}") from exc
-        except PrometheusApiClientException as exc:
-            raise MetricsUnavailable("PrometheusError", f"{self.url}: {exc}"[:500]) from exc
-        except (ValueError, KeyError, TypeError) as exc:
-            raise MetricsUnavailable(
-                "PrometheusGarbage", f"{self.url}: unreadable answer: {exc!r}"[:500]
-            ) from exc
-        return parse_vector(result)
+        return parse_vector(_vector_of(self.url, response))
 
     def read(self) -> observations.FleetSnapshot:
         """One snapshot of the whole fleet behind this Prometheus."""
