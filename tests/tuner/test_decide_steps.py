@@ -293,6 +293,37 @@ def test_a_stale_acceptance_is_measured_again_where_a_bucket_could_pay(
     assert note == f"explore bucket 4 with k=4 on pod pod-a: acceptance {source}, not measured now"
 
 
+def test_the_canary_goes_where_the_batches_are_now(spec_factory, rows_for, bucket_load) -> None:
+    """In a burst the metrics window still holds the quiet minutes' small batches, but the acceptance
+    window's steps are all at large ones: a canary in bucket 4 would draft nothing and measure nothing
+    (a demoted n-gram drafter stayed off through a code burst that way in the simulator)."""
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
+    view = view_of(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
+    rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
+    state = core.ResourceState.initial(spec)
+    state.k_by_bucket = {label: 0 for label in state.k_by_bucket}
+    state.last_score["draft"] = 1.0
+
+    def explored(recent: dict[str, float]) -> str | None:
+        extra = [(RECENT_STEPS, {"namespace": NS, "pod": "pod-a", "bucket": b}, n) for b, n in recent.items()]
+        snap = build_snapshot(rows + extra, 300.0)
+        costs = core.FleetCosts([view], snap)
+        _, note = core.next_canary(
+            view, state, {"draft": acceptance(0.3, "remembered")}, costs, list(snap.pods.values()), 0.0
+        )
+        return note
+
+    assert (
+        explored({"64": 500.0})
+        == "explore bucket 64 with k=4 on pod pod-a: acceptance remembered, not measured now"
+    )
+    assert explored({"4": 10.0, "64": 500.0}).startswith("explore bucket 4 ")  # type: ignore[union-attr]
+    # Without the short window's steps (an engine that does not report them), the lowest bucket.
+    assert explored({}).startswith("explore bucket 4 ")  # type: ignore[union-attr]
+
+
 def test_a_fresh_acceptance_or_a_bucket_that_cannot_pay_gets_no_canary(
     spec_factory, rows_for, bucket_load
 ) -> None:

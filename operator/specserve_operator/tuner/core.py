@@ -823,9 +823,14 @@ def _explore_canary(
     # nothing would measure it again (docs/policy.md, "Keeping measurements fresh").
     stale = accs[state.drafter].source not in FRESH_ACCEPTANCE
     traffic: dict[str, float] = {}
+    recent: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
             traffic[label] = traffic.get(label, 0.0) + s.steps_plain
+        for label, steps in obs.recent_steps.items():
+            recent[label] = recent.get(label, 0.0) + steps
+    # Buckets the traffic has left: no steps in the acceptance window (where the pods report it).
+    now_idle = {label for label in traffic if recent.get(label, 0.0) <= 0} if recent else set()
     for label in bucket_labels(speculation.batch_buckets):
         if state.k_by_bucket.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
             continue
@@ -835,6 +840,10 @@ def _explore_canary(
             # a drafter accepting every draft would clear minGain here; at the largest K, so that every
             # position is measured.
             if policy.ceiling_gain(cost, label, max_k) < speculation.min_gain:
+                continue
+            # Drafts where the traffic has left would measure nothing: in a burst, the acceptance is
+            # measured where the batches are now.
+            if label in now_idle:
                 continue
             k, why = max_k, f": acceptance {accs[state.drafter].source}, not measured now"
             remeasure = True
