@@ -175,6 +175,20 @@ def test_without_peering_the_operator_runs_standalone() -> None:
 
 
 # --- NetworkPolicy ---------------------------------------------------------------------------------
+def test_a_private_ca_for_an_https_prometheus_is_mounted_and_named() -> None:
+    """The reader verifies an https Prometheus (docs/install.md): a private CA comes in through the
+    extra volumes and REQUESTS_CA_BUNDLE, beside the chart's own /tmp, the root filesystem read-only."""
+    objects = render(values=[CHART / "ci" / "hardened-values.yaml"])
+    container = _operator_container(objects)
+    assert _env(container)["SPECSERVE_PROMETHEUS_URL"].startswith("https://")
+    assert _env(container)["REQUESTS_CA_BUNDLE"] == "/etc/specserve/ca/ca.crt"
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert set(mounts) == {"/tmp", "/etc/specserve/ca"} and mounts["/etc/specserve/ca"]["readOnly"] is True
+    volumes = {v["name"]: v for v in one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["prometheus-ca"] == {"name": "prometheus-ca", "configMap": {"name": "prometheus-ca"}}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
 def test_network_policy_admits_only_the_operator_to_the_control_port() -> None:
     objects = render(values=[CHART / "ci" / "hardened-values.yaml"])
     policy = one(objects, "NetworkPolicy")
@@ -303,7 +317,15 @@ def test_schema_rejects_bad_values_naming_the_field(args: list[str], field: str)
 
 def test_schema_is_strict_everywhere() -> None:
     """Every object in the schema forbids unknown keys, except the free-form Kubernetes passthroughs."""
-    free_form = {"affinity", "tolerations", "extraEnv", "sidecarPortFrom", "global"}
+    free_form = {
+        "affinity",
+        "tolerations",
+        "extraEnv",
+        "extraVolumes",
+        "extraVolumeMounts",
+        "sidecarPortFrom",
+        "global",
+    }
     schema = json.loads((CHART / "values.schema.json").read_text())
 
     def walk(node: dict, name: str) -> None:
