@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve_operator.tuner import core, policy
-from specserve_operator.tuner.observations import RECENT_STEPS, FleetSnapshot, build_snapshot
+from specserve_operator.tuner.observations import POLICY_INFO, RECENT_STEPS, FleetSnapshot, build_snapshot
 from specserve_operator.tuner.policy import MIN_STEPS
 from specserve_testing.tuner_loads import loads_at_prior
 
@@ -262,6 +262,49 @@ def test_a_canary_explores_an_off_bucket_with_traffic_and_no_measurement(
     assert {k: v for k, v in canary.k_by_bucket.items() if k != "128"} == {
         k: v for k, v in state.k_by_bucket.items() if k != "128"
     }
+
+
+def test_a_drafter_scored_well_on_other_batches_gets_no_early_trial(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """A trial comes before its period when the drafter's last score beats the one in force's, and
+    when it also wins on this tick's batches: a draft model scored at batch 1 in a quiet phase is no
+    candidate at the batches of a busy one (on the local fleet such a trial held the only pod at batch
+    16 for four intervals of its busy phase, 0.87 of stock vLLM's tokens per second)."""
+    spec = spec_factory()
+    view = view_of(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[1]))
+    rows = rows_for(NS, "pod-a", "ngram", loads) + rows_for(NS, "pod-b", "ngram", loads)
+    # The draft model's own steps, measured at batch 1 only (a quiet phase, the window before).
+    prior = view.prior(spec.drafters[0])
+    quiet = {"1": bucket_load(batch=1, steps_spec=1000, step_s_spec=prior.step_s(1, 4), k=4)}
+    rows += [r for r in rows_for(NS, "pod-a", "draft", quiet) if r[0] != POLICY_INFO]
+    accs = {"ngram": acceptance(0.5), "draft": acceptance(0.8, "remembered")}
+    interval = spec.speculation.evaluation_interval_seconds
+    now = 10_000.0
+
+    def tick_at(bucket: str) -> tuple[core.FleetCosts, list]:
+        """This tick's window: the batches of the acceptance window all in `bucket`."""
+        recent = (RECENT_STEPS, {"namespace": NS, "pod": "pod-a", "bucket": bucket}, 500.0)
+        snap = build_snapshot([*rows, recent], 300.0)
+        return core.FleetCosts([view], snap), list(snap.pods.values())
+
+    def trial_of_draft(bucket: str) -> bool:
+        state = core.ResourceState.initial(spec)
+        state.drafter = "ngram"
+        state.last_score = {"ngram": 1.05, "draft": 1.8}
+        # Tried since the last trial period began, but long enough ago for an early one.
+        state.last_trial_at = {"draft": now - 3 * core.TRIAL_TICKS * interval}
+        canary, _ = core.next_canary(view, state, accs, *tick_at(bucket), now)
+        return canary is not None and canary.purpose == "trial" and canary.drafter == "draft"
+
+    scores = {
+        b: core.drafter_scores(view, accs, *tick_at(b), ["draft"], "ngram")["draft"] for b in ("1", "+Inf")
+    }
+    # Far above the batches it was measured at, the draft model counts as off (policy.MAX_EXTRAPOLATION).
+    assert scores["1"] > 1.05 * 1.05 > scores["+Inf"] == 1.0
+    assert trial_of_draft("1")
+    assert not trial_of_draft("+Inf")
 
 
 def _measured_and_off(spec_factory, rows_for, bucket_load, slow: float = 1.0):

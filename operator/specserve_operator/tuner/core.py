@@ -782,9 +782,15 @@ def _trial_canary(
             continue
         since_trial = now - state.last_trial_at.get(name, -math.inf)
         # Due every trial period, and sooner when its last score beats the last score of the drafter
-        # in force (the traffic mix may have moved in its favour): measure it again, then compare.
-        promising = state.last_score.get(name, 0.0) > active_score * (1 + SWITCH_MARGIN)
-        if since_trial < TRIAL_PERIOD_S and not (promising and since_trial >= 2 * TRIAL_TICKS * interval):
+        # in force (the traffic mix may have moved in its favour): measure it again, then compare. Its
+        # last score was made on the batches of its time, though: it must also win on this tick's
+        # (a draft model scored at batch 1 in a quiet phase is no candidate for a busy one's batch 16).
+        if since_trial < TRIAL_PERIOD_S and not (
+            since_trial >= 2 * TRIAL_TICKS * interval
+            and state.last_score.get(name, 0.0) > active_score * (1 + SWITCH_MARGIN)
+            and drafter_scores(view, accs, costs, observations, [name], state.drafter)[name]
+            > active_score * (1 + SWITCH_MARGIN)
+        ):
             continue
         choices = policy.choose_table(accs[name], cost, speculation.batch_buckets, d.max_speculative_tokens)
         # Every bucket with a positive predicted gain, so the trial measures the drafter where it may pay.
