@@ -813,8 +813,8 @@ def _explore_canary(
 ) -> tuple[Canary, str] | None:
     """Speculate on the canary in the lowest off bucket that sees traffic and either has no speculative
     step-time measurement, or only a remembered one that predicts at least plain decoding's speed, or,
-    while the drafter in force's acceptance is stale, could pay at all; often enough that the canary's
-    share stays near explorationShare."""
+    while the drafter in force's acceptance is stale, could pay at all and has steps now (in the
+    acceptance window); often enough that the canary's share stays near explorationShare."""
     speculation = view.spec.speculation
     interval = speculation.evaluation_interval_seconds
     period = EXPLORE_TICKS * interval / (speculation.exploration_share * len(view.pods))
