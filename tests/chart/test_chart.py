@@ -174,7 +174,6 @@ def test_without_peering_the_operator_runs_standalone() -> None:
     assert one(objects, "ServiceAccount")["metadata"]["name"] == "specserve-operator"
 
 
-# --- NetworkPolicy ---------------------------------------------------------------------------------
 def test_a_private_ca_for_an_https_prometheus_is_mounted_and_named() -> None:
     """The reader verifies an https Prometheus (docs/install.md): a private CA comes in through the
     extra volumes and REQUESTS_CA_BUNDLE, beside the chart's own /tmp, the root filesystem read-only."""
@@ -189,6 +188,7 @@ def test_a_private_ca_for_an_https_prometheus_is_mounted_and_named() -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+# --- NetworkPolicy ---------------------------------------------------------------------------------
 def test_network_policy_admits_only_the_operator_to_the_control_port() -> None:
     objects = render(values=[CHART / "ci" / "hardened-values.yaml"])
     policy = one(objects, "NetworkPolicy")
