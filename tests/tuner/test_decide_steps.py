@@ -17,6 +17,11 @@ def view_of(spec, pods=("pod-a", "pod-b")) -> core.ResourceView:
     return core.ResourceView(NS, "llm", spec, tuple(pods))
 
 
+def recent_rows(recent: dict[str, float]) -> list:
+    """pod-a's steps per bucket in the acceptance window, as the reader returns them."""
+    return [(RECENT_STEPS, {"namespace": NS, "pod": "pod-a", "bucket": b}, n) for b, n in recent.items()]
+
+
 def acceptance(alpha: float, source: str = "measured", max_k: int = 4) -> policy.Acceptance:
     return policy.Acceptance((alpha,) * max_k, source)
 
@@ -106,8 +111,7 @@ def test_drafters_are_scored_on_the_batch_mix_of_the_acceptance_window(
     }
 
     def score(recent: dict[str, float]) -> float:
-        extra = [(RECENT_STEPS, {"namespace": NS, "pod": "pod-a", "bucket": b}, n) for b, n in recent.items()]
-        snap = build_snapshot(rows + extra, 300.0)
+        snap = build_snapshot(rows + recent_rows(recent), 300.0)
         return core.drafter_scores(view, accs, costs, list(snap.pods.values()))["draft"]
 
     assert gains["4"] > gains["64"] * 1.05  # the test means something only if the buckets differ
@@ -284,8 +288,7 @@ def test_a_drafter_scored_well_on_other_batches_gets_no_early_trial(
 
     def tick_at(bucket: str) -> tuple[core.FleetCosts, list]:
         """This tick's window: the batches of the acceptance window all in `bucket`."""
-        recent = (RECENT_STEPS, {"namespace": NS, "pod": "pod-a", "bucket": bucket}, 500.0)
-        snap = build_snapshot([*rows, recent], 300.0)
+        snap = build_snapshot(rows + recent_rows({bucket: 500.0}), 300.0)
         return core.FleetCosts([view], snap), list(snap.pods.values())
 
     def trial_of_draft(bucket: str) -> bool:
@@ -349,8 +352,7 @@ def test_the_canary_goes_where_the_batches_are_now(spec_factory, rows_for, bucke
     state.last_score["draft"] = 1.0
 
     def explored(recent: dict[str, float]) -> str | None:
-        extra = [(RECENT_STEPS, {"namespace": NS, "pod": "pod-a", "bucket": b}, n) for b, n in recent.items()]
-        snap = build_snapshot(rows + extra, 300.0)
+        snap = build_snapshot(rows + recent_rows(recent), 300.0)
         costs = core.FleetCosts([view], snap)
         _, note = core.next_canary(
             view, state, {"draft": acceptance(0.3, "remembered")}, costs, list(snap.pods.values()), 0.0

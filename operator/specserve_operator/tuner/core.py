@@ -498,6 +498,15 @@ def _pooled_acceptance_stats(
     return stats, fallback
 
 
+def recent_steps(observations: Iterable[PodObservation]) -> dict[str, float]:
+    """Steps per bucket in the acceptance window, over the pods (empty where no pod reports them)."""
+    recent: dict[str, float] = {}
+    for obs in observations:
+        for label, steps in obs.recent_steps.items():
+            recent[label] = recent.get(label, 0.0) + steps
+    return recent
+
+
 def drafter_scores(
     view: ResourceView,
     accs: Mapping[str, policy.Acceptance],
@@ -515,11 +524,9 @@ def drafter_scores(
     (`CalibratedCost.above_measured_range`): the fleet does not switch to a drafter on step times extrapolated
     that far; the one in force turns such buckets on (`policy.gain_caps`) and is measured there a tick
     later."""
-    recent: dict[str, float] = {}
+    recent = recent_steps(observations)
     weights: dict[str, float] = {}
     for obs in observations:
-        for label, steps in obs.recent_steps.items():
-            recent[label] = recent.get(label, 0.0) + steps
         for label, s in obs.buckets.items():
             weights[label] = weights.get(label, 0.0) + s.steps_plain + s.steps_spec
     if sum(recent.values()) > 0:
@@ -785,11 +792,11 @@ def _trial_canary(
         # in force (the traffic mix may have moved in its favour): measure it again, then compare. Its
         # last score was made on the batches of its time, though: it must also win on this tick's
         # (a draft model scored at batch 1 in a quiet phase is no candidate for a busy one's batch 16).
+        bar = active_score * (1 + SWITCH_MARGIN)
         if since_trial < TRIAL_PERIOD_S and not (
             since_trial >= 2 * TRIAL_TICKS * interval
-            and state.last_score.get(name, 0.0) > active_score * (1 + SWITCH_MARGIN)
-            and drafter_scores(view, accs, costs, observations, [name], state.drafter)[name]
-            > active_score * (1 + SWITCH_MARGIN)
+            and state.last_score.get(name, 0.0) > bar
+            and drafter_scores(view, accs, costs, observations, [name], state.drafter)[name] > bar
         ):
             continue
         choices = policy.choose_table(accs[name], cost, speculation.batch_buckets, d.max_speculative_tokens)
@@ -829,12 +836,10 @@ def _explore_canary(
     # nothing would measure it again (docs/policy.md, "Keeping measurements fresh").
     stale = accs[state.drafter].source not in FRESH_ACCEPTANCE
     traffic: dict[str, float] = {}
-    recent: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
             traffic[label] = traffic.get(label, 0.0) + s.steps_plain
-        for label, steps in obs.recent_steps.items():
-            recent[label] = recent.get(label, 0.0) + steps
+    recent = recent_steps(observations)
     # Buckets the traffic has left: no steps in the acceptance window (where the pods report it).
     now_idle = {label for label in traffic if recent.get(label, 0.0) <= 0} if recent else set()
     for label in bucket_labels(speculation.batch_buckets):
