@@ -14,6 +14,7 @@ from specserve_operator.tuner import core, observations
 from specserve_operator.tuner.loop import ResourceTick
 from specserve_operator.tuner.observations import build_snapshot
 from specserve_operator.tuner.report import status_patch
+from specserve_testing.tuner_loads import shadow_rows
 
 NS = "ml"
 PODS = ("pod-a", "pod-b")
@@ -253,3 +254,41 @@ def test_a_refused_counter_takes_its_siblings_with_it(spec_factory, rows_for, bu
     patch = status_patch(ResourceTick(d), view, {}, datetime.now(UTC))
     available = next(c for c in patch["conditions"] if c["type"] == "MetricsAvailable")
     assert (available["status"], available["reason"]) == ("False", core.INVALID_METRICS)
+
+
+def test_refused_live_counts_hold_the_last_measurement_not_the_shadows(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """+Inf accepted tokens, totals and per position, on every pod (the fault-fleet case): the drafter in
+    force is no longer measured by its live drafts. Its shadow drafts, on other steps, say it accepts
+    nearly everything; standing in for the refused counts they would move the K table on what the bad
+    values took away. The last good measurement holds instead, and so does the table."""
+    spec = spec_factory()
+    view = view_of(spec)
+    loads = loads_of(bucket_load, view.prior(spec.drafters[0]))
+    good = fleet_rows(rows_for, loads, alphas=(0.6,) * 8)
+    good += [r for pod in PODS for r in shadow_rows(pod, "draft", (0.99,) * 4, namespace=NS)]
+    bad = good
+    for kind in (observations.ACCEPTED, observations.ACCEPTED_POS):
+        for pod in PODS:
+            bad = replaced(bad, kind, pod, None, float("inf"))
+    state = core.ResourceState.initial(spec)
+    first = decide_on(view, good, state, 0.0)
+    measured = state.acceptance_seen["draft"]
+    assert measured[0].source == "measured" and measured[0].alphas[0] < 0.7, first.reason
+    snap = build_snapshot(bad, 300.0)
+    assert all(obs.refused_drafters == {"draft"} for obs in snap.pods.values())
+    drafters = {d.name: d for d in spec.drafters}
+    assert core.measured_acceptance(drafters, list(snap.pods.values()))["draft"].source == core.REFUSED
+    held = decide_on(view, bad, state, 60.0)
+    assert state.acceptance_seen["draft"] == measured  # held as it was, not refreshed
+    assert held.k_by_bucket == first.k_by_bucket, held.reason
+    # Without the refusal the shadow would have moved it: the test would not pass by accident.
+    shadow_only = [r for r in good if r[0] not in (observations.ACCEPTED, observations.ACCEPTED_POS)]
+    moved = decide_on(view, shadow_only, core.ResourceState.initial(spec), 0.0)
+    assert moved.k_by_bucket != first.k_by_bucket, moved.reason
+
+
+def decide_on(view: core.ResourceView, rows: list, state: core.ResourceState, now: float) -> core.Decision:
+    snap = build_snapshot(rows, 300.0)
+    return core.decide(view, snap, state, core.FleetCosts([view], snap), now)

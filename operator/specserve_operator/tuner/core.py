@@ -34,6 +34,8 @@ ACCEPTANCE_TTL_S = 3600.0
 # scores of shadow drafts on the same traffic (docs/policy.md, "Shadow acceptance").
 MEASURED_NOW = ("measured", "totals", "shadow")
 FRESH_ACCEPTANCE = ("measured", "shadow")  # per-position counts from the acceptance window
+# A drafter's acceptance this tick when its own counters were refused (measured_acceptance).
+REFUSED = "refused"
 DEFAULT_GPU = "NVIDIA-H100"
 # Decision.warnings keys: condition reasons (CamelCase) the operator reports on the resource.
 METRICS_MISSING = "MetricsMissing"  # no pod of the resource has engine metrics yet: nothing is pushed
@@ -441,12 +443,19 @@ def measured_acceptance(
     the sidecars' scores of shadow drafts in that same window; the live drafts' totals over the metrics
     window. Shadow scores come before those totals: a drafter switched out within the metrics window
     still has live totals there, from the traffic before the switch, while the shadow measures it on
-    this traffic (docs/policy.md, "Two windows")."""
+    this traffic (docs/policy.md, "Two windows").
+
+    A drafter whose counters were refused on some pod (observations.py) is measured by the other pods'
+    live counts or not at all: a weaker source standing in for the refused one would measure something
+    else (its shadow drafts, say, on other steps), and the policy would move on what the bad values took
+    away. It is then `refused`, and recalled_acceptance holds its last good measurement."""
     accs: dict[str, policy.Acceptance] = {}
     for name, d in drafters.items():
         stats, fallback = _pooled_acceptance_stats(observations, name)
         acc = policy.acceptance(stats, d.max_speculative_tokens, fallback if fallback.drafts else None)
-        if acc.source != "measured":
+        if acc.source != "measured" and any(name in obs.refused_drafters for obs in observations):
+            acc = dataclasses.replace(acc, source=REFUSED)
+        elif acc.source != "measured":
             shadow = policy.acceptance(_pooled_shadow(observations, name), d.max_speculative_tokens)
             if shadow.source == "measured":
                 acc = dataclasses.replace(shadow, source="shadow")
@@ -470,11 +479,15 @@ def recalled_acceptance(
 ) -> tuple[dict[str, policy.Acceptance], dict[str, tuple[policy.Acceptance, float]]]:
     """Measurement before prior: a drafter with no drafts in the window (every bucket off) keeps its last
     measured acceptance, as `remembered`, for ACCEPTANCE_TTL_S; the prior only stands for drafters never
-    measured. Returns the acceptances to decide with and the updated memory."""
+    measured. A drafter whose counters were refused keeps its last measurement as it was (source and
+    all: the policy holds), without refreshing it. Returns the acceptances to decide with and the updated
+    memory."""
     memory = {name: (acc, at) for name, (acc, at) in seen.items() if now - at < ACCEPTANCE_TTL_S}
     out: dict[str, policy.Acceptance] = {}
     for name, acc in accs.items():
-        if acc.source != "prior":
+        if acc.source == REFUSED:
+            out[name] = memory[name][0] if name in memory else dataclasses.replace(acc, source="prior")
+        elif acc.source != "prior":
             memory[name] = (acc, now)
             out[name] = acc
         elif name in memory:

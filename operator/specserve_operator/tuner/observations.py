@@ -176,6 +176,8 @@ class PodObservation:
     shadow: dict[str, BucketStats] = field(default_factory=dict)
     failed_drafters: set[str] = field(default_factory=set)  # drafters the sidecar reports failed
     recent_steps: dict[str, float] = field(default_factory=dict)  # bucket → steps in the acceptance window
+    # Drafters some of whose draft, per-position or shadow counters were refused in this read.
+    refused_drafters: set[str] = field(default_factory=set)
     dropped: int = 0  # this pod's values refused as invalid (counted in the snapshot's `dropped` too)
 
     def bucket(self, label: str) -> BucketStats:
@@ -301,13 +303,16 @@ def _untaint(obs: PodObservation, tainted: Iterable[tuple]) -> None:
                 if spec:
                     b.steps_by_k, b.seconds_by_k = {}, {}
         elif what == "drafts":
+            obs.refused_drafters.add(taint[1])
             b = obs.by_drafter.get(taint[1], {}).get(taint[2])
             if b is not None:
                 b.drafts = b.draft_tokens = b.accepted = 0.0
         elif what == "positions":
+            obs.refused_drafters.add(taint[1])
             for b in obs.by_drafter.get(taint[1], {}).values():
                 b.accepted_pos, b.proposed_pos = {}, {}
         elif what == "shadow":
+            obs.refused_drafters.add(taint[1])
             obs.shadow.pop(taint[1], None)
 
 

@@ -80,7 +80,7 @@ def iid_alpha_from_mal(mal: float, k: float) -> float:
 @dataclass(frozen=True)
 class Acceptance:
     alphas: tuple[float, ...]  # conditional acceptance per position, α_1..α_maxK
-    source: str  # measured | totals | shadow (core.measured_acceptance) | remembered | prior
+    source: str  # measured | totals | shadow | refused (core.measured_acceptance) | remembered | prior
     # The share of sequences in speculative steps that got a draft: below 1 for a drafter that proposes
     # only where it finds a match (n-gram, suffix); such a sequence still verifies, for one token.
     proposal_rate: float = 1.0
