@@ -273,7 +273,9 @@ def test_a_drafter_scored_well_on_other_batches_gets_no_early_trial(
 ) -> None:
     """A trial comes before its period when the drafter's last score beats the one in force's, and
     when it also wins on this tick's batches: a draft model scored at batch 1 in a quiet phase is no
-    candidate at batch 16 in a busy one, where its own steps were never measured."""
+    candidate at batch 16 in a busy one, where its own steps were never measured. The drafter a switch
+    left behind faces the same tests (it had a trial due one cooldown after the switch, which on the
+    local fleet ran the draft model at batch 16 for 20 s of a busy phase)."""
     spec = spec_factory()
     view = view_of(spec)
     loads = loads_at_prior(bucket_load, view.prior(spec.drafters[1]))
@@ -291,12 +293,15 @@ def test_a_drafter_scored_well_on_other_batches_gets_no_early_trial(
         snap = build_snapshot(rows + recent_rows({bucket: 500.0}), 300.0)
         return core.FleetCosts([view], snap), list(snap.pods.values())
 
-    def trial_of_draft(bucket: str) -> bool:
+    def trial_of_draft(bucket: str, switched_ago: float | None = None) -> bool:
         state = core.ResourceState.initial(spec)
-        state.drafter = "ngram"
+        if switched_ago is not None:  # in force until a switch to n-gram that long ago
+            state.drafter = "draft"
+            core._switch_drafter(view, state, spec.drafter("ngram"), 1.0, [], now - switched_ago)
+        else:  # tried since the last trial period began, but long enough ago for an early one
+            state.drafter = "ngram"
+            state.last_trial_at = {"draft": now - (core.EARLY_TRIAL_GAP_TICKS + 1) * interval}
         state.last_score = {"ngram": 1.05, "draft": 1.8}
-        # Tried since the last trial period began, but long enough ago for an early one.
-        state.last_trial_at = {"draft": now - 3 * core.TRIAL_TICKS * interval}
         canary, _ = core.next_canary(view, state, accs, *tick_at(bucket), now)
         return canary is not None and canary.purpose == "trial" and canary.drafter == "draft"
 
@@ -307,6 +312,12 @@ def test_a_drafter_scored_well_on_other_batches_gets_no_early_trial(
     assert scores["1"] > 1.05 * 1.05 > scores["+Inf"] == 1.0
     assert trial_of_draft("1")
     assert not trial_of_draft("+Inf")
+    # Left behind: it may come back at once, where its successor's fleet-wide measurement disappoints;
+    # never where it would not win on the tick's batches, then or after a cooldown.
+    assert trial_of_draft("1", switched_ago=interval)
+    cooled = spec.speculation.cooldown_seconds + interval
+    assert not trial_of_draft("+Inf", switched_ago=interval)
+    assert not trial_of_draft("+Inf", switched_ago=cooled)
 
 
 def _measured_and_off(spec_factory, rows_for, bucket_load, slow: float = 1.0):

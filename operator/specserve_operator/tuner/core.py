@@ -23,6 +23,7 @@ SWITCH_MARGIN = 0.05
 # Every drafter that could serve is tried on a canary pod this often, for TRIAL_TICKS evaluations.
 TRIAL_PERIOD_S = 1200.0
 TRIAL_TICKS = 4
+EARLY_TRIAL_GAP_TICKS = 2 * TRIAL_TICKS  # the least time between two trials of a drafter before its period
 EXPLORE_TICKS = 2
 # A neighbouring K predicted this much below the K in force (or better) is probed (_k_probe).
 PROBE_SHORTFALL = 0.1
@@ -807,7 +808,7 @@ def _trial_canary(
         # (a draft model scored at batch 1 in a quiet phase is no candidate for a busy one's batch 16).
         bar = active_score * (1 + SWITCH_MARGIN)
         if since_trial < TRIAL_PERIOD_S and not (
-            since_trial >= 2 * TRIAL_TICKS * interval
+            since_trial >= EARLY_TRIAL_GAP_TICKS * interval
             and state.last_score.get(name, 0.0) > bar
             and drafter_scores(view, accs, costs, observations, [name], state.drafter)[name] > bar
         ):
@@ -1120,9 +1121,12 @@ def _switch_drafter(
         f"drafter {state.drafter}→{best.name}: predicted gain {state.last_score.get(best.name, 0.0):.2f} "
         f"vs {standing:.2f}"
     )
-    # The drafter left behind is tried again after one cooldown, not a whole trial period: the
-    # fleet-wide measurement of the new one may disappoint.
-    state.last_trial_at[state.drafter] = now - TRIAL_PERIOD_S + view.spec.speculation.cooldown_seconds
+    # The drafter left behind was measured in force until now, as a trial would have: its next trial is
+    # due a trial period on, and sooner only as any early trial is, where it wins on the batches of that
+    # tick (`_trial_canary`). It counts as tried one early-trial gap ago, so that it may come back at
+    # once where the new drafter's fleet-wide measurement disappoints.
+    interval = view.spec.speculation.evaluation_interval_seconds
+    state.last_trial_at[state.drafter] = now - EARLY_TRIAL_GAP_TICKS * interval
     rollout = None
     if not live_switchable(best, state.engine_drafter):
         rollout = best.name
