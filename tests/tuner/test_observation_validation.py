@@ -46,12 +46,17 @@ def replaced(rows: list[observations.Row], kind: str, pod: str, bucket: str | No
     return out
 
 
+def decide_on(view: core.ResourceView, rows: list, state: core.ResourceState, now: float) -> core.Decision:
+    """A decision from these rows, at `now`, updating `state`."""
+    snap = build_snapshot(rows, 300.0)
+    return core.decide(view, snap, state, core.FleetCosts([view], snap), now)
+
+
 def decide_and_report(spec, rows) -> tuple[core.Decision, dict]:
     """A decision from these rows, and the status patch it writes; the patch must be valid JSON and
     valid against the CRD's status schema."""
     view = view_of(spec)
-    snap = build_snapshot(rows, 300.0)
-    d = core.decide(view, snap, core.ResourceState.initial(spec), core.FleetCosts([view], snap), 0.0)
+    d = decide_on(view, rows, core.ResourceState.initial(spec), 0.0)
     patch = status_patch(ResourceTick(d), view, {}, datetime.now(UTC))
     SpeculativeServingStatus.model_validate(json.loads(json.dumps(patch, allow_nan=False)))
     return d, patch
@@ -241,9 +246,7 @@ def test_a_refused_counter_takes_its_siblings_with_it(spec_factory, rows_for, bu
         replaced(good, observations.ACCEPTED, "pod-a", "4", bad), observations.ACCEPTED, "pod-b", "4", bad
     )
     state = core.ResourceState.initial(spec)
-    first = core.decide(
-        view, build_snapshot(good, 300.0), state, core.FleetCosts([view], build_snapshot(good, 300.0)), 0.0
-    )
+    first = decide_on(view, good, state, 0.0)
     snap = build_snapshot(bad_rows, 300.0)
     for pod in PODS:
         obs = snap.pods[(NS, pod)]
@@ -287,8 +290,3 @@ def test_refused_live_counts_hold_the_last_measurement_not_the_shadows(
     shadow_only = [r for r in good if r[0] not in (observations.ACCEPTED, observations.ACCEPTED_POS)]
     moved = decide_on(view, shadow_only, core.ResourceState.initial(spec), 0.0)
     assert moved.k_by_bucket != first.k_by_bucket, moved.reason
-
-
-def decide_on(view: core.ResourceView, rows: list, state: core.ResourceState, now: float) -> core.Decision:
-    snap = build_snapshot(rows, 300.0)
-    return core.decide(view, snap, state, core.FleetCosts([view], snap), now)

@@ -454,12 +454,13 @@ def measured_acceptance(
     for name, d in drafters.items():
         stats, fallback = _pooled_acceptance_stats(observations, name)
         acc = policy.acceptance(stats, d.max_speculative_tokens, fallback if fallback.drafts else None)
-        if acc.source != "measured" and any(name in obs.refused_drafters for obs in observations):
-            acc = dataclasses.replace(acc, source=REFUSED)
-        elif acc.source != "measured":
-            shadow = policy.acceptance(_pooled_shadow(observations, name), d.max_speculative_tokens)
-            if shadow.source == "measured":
-                acc = dataclasses.replace(shadow, source="shadow")
+        if acc.source != "measured":
+            if any(name in obs.refused_drafters for obs in observations):
+                acc = dataclasses.replace(acc, source=REFUSED)
+            else:
+                shadow = policy.acceptance(_pooled_shadow(observations, name), d.max_speculative_tokens)
+                if shadow.source == "measured":
+                    acc = dataclasses.replace(shadow, source="shadow")
         accs[name] = acc
     return accs
 
