@@ -37,8 +37,9 @@ from vllm.v1.sample.rejection_sampler import (
 )
 
 from specserve_engine.vllm_plugins.lossless_sampling import expand_needs_fix
+from specserve_testing.engines import TARGET
 from specserve_testing.sampling_checks import ALPHA as ENGINE_ALPHA
-from specserve_testing.sampling_checks import OBSERVATIONS
+from specserve_testing.sampling_checks import MAX_TOKENS, OBSERVATIONS, target_reference
 from specserve_testing.sampling_stats import (
     SamplingSetting,
     chi2_sf,
@@ -221,6 +222,21 @@ def test_the_engine_checks_pass_the_reference_and_catch_a_changed_temperature() 
     wrong = torch.multinomial(hotter.float(), 1, generator=generator).squeeze(-1)
     assert uniformity_test(randomized_pit(reference, right, generator)).p_value >= ENGINE_ALPHA
     assert uniformity_test(randomized_pit(reference, wrong, generator)).p_value < ENGINE_ALPHA
+
+
+def test_the_engine_checks_reference_logits_with_the_prompt_cached_are_the_whole_sequences() -> None:
+    """The engine checks run the prompt once and reuse its keys and values for every sample
+    (`TargetReference.continuation_logits`); the logits are those of each whole sequence run alone."""
+    reference = target_reference(TARGET)
+    generator = torch.Generator().manual_seed(3)
+    vocab = reference.model.config.vocab_size
+    prompt = torch.randint(0, vocab, (20,), generator=generator)
+    continuations = torch.randint(0, vocab, (6, MAX_TOKENS - 1), generator=generator)
+    cached = reference.continuation_logits(prompt, continuations, chunk=4)  # two chunks
+    with torch.inference_mode():
+        whole = reference.model(input_ids=torch.cat([prompt.expand(6, -1), continuations], dim=1)).logits
+    assert cached.shape == (6, MAX_TOKENS - 1, vocab)
+    assert torch.allclose(cached, whole[:, len(prompt) :], atol=1e-4)
 
 
 def test_a_verification_step_without_drafts_is_left_alone() -> None:
