@@ -76,7 +76,7 @@ def _ports(run_dir: Path) -> list[int]:
 
 def test_local_fleet_follows_the_load(tmp_path: Path) -> None:
     proc = _up(
-        tmp_path, "--traffic", TRAFFIC, "--compare-scale", "0.3", "--max-tokens", "48", "--sweep-point", "3"
+        tmp_path, "--traffic", TRAFFIC, "--compare-scale", "0.2", "--max-tokens", "48", "--sweep-point", "3"
     )
     output, _ = proc.communicate(timeout=1500)
     assert proc.returncode == 0, output[-4000:]

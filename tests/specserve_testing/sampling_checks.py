@@ -75,9 +75,9 @@ def repeating_code_prompt(prompt: str, op: str) -> str:
     """The last lines of a code prompt's function (`def verb_noun(self, other):` / `noun = self.noun` /
     ...), then the function from its start up to `noun = noun`, where the target samples the operator next.
 
-    Not the whole function twice: at about 48 tokens, the 32 prefills of a full batch fit one step's
-    2,048-token budget. A seeded request whose prefill vLLM splits over steps crashes the CPU worker
-    ("CPU Generator does not use offset")."""
+    Not the whole function twice: at about 48 tokens, the prefills of a full batch fit one step's token
+    budget (engines.BATCH_ARGS). A seeded request whose prefill vLLM splits over steps crashes the CPU
+    worker ("CPU Generator does not use offset")."""
     signature, first_line = prompt.splitlines()
     other = signature.partition("(self, ")[2].removesuffix("):")
     noun = first_line.split(" = ")[0].strip()
