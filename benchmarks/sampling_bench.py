@@ -35,7 +35,6 @@ from specserve_testing.engines import (  # noqa: E402
     DTYPE,
     ENGINE_START_TIMEOUT_S,
     HEADS,
-    MAX_NUM_SEQS,
     NGRAM,
     SUFFIX,
     TARGET,
@@ -58,6 +57,7 @@ from specserve_testing.sampling_stats import BINS, SETTINGS  # noqa: E402
 from specserve_testing.sidecar_pod import (  # noqa: E402
     BUCKETS,
     ENGINE_DRAFTER,
+    MAX_NUM_SEQS,
     SIDECAR_DRAFTERS,
     full_k_policy,
     sidecar_config,

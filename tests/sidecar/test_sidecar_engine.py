@@ -20,10 +20,8 @@ from specserve_engine.client import SidecarClient
 from specserve_engine.draft_protocol import DEADLINE_ENV
 from specserve_engine.launch import EngineSpec, SidecarProcess, start_engines, start_sidecar
 from specserve_testing.engines import (
-    BATCH_ARGS,
     DOMAINS,
     ENGINE_START_TIMEOUT_S,
-    MAX_NUM_SEQS,
     TARGET,
     RunningEngine,
     complete,
@@ -38,6 +36,7 @@ from specserve_testing.sidecar_pod import (
     BUCKETS,
     ENGINE_DRAFTER,
     MAX_K,
+    MAX_NUM_SEQS,
     SIDECAR_DRAFTERS,
     full_k_policy,
     sidecar_config,
@@ -88,13 +87,7 @@ def sidecar_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarPod
     workdir = tmp_path_factory.mktemp("sidecar-pod")
     runtime = workdir / "run"
     sidecar = start_sidecar(sidecar_config(runtime), workdir / "sidecar")
-    common = {
-        "model": str(TARGET),
-        "max_num_seqs": MAX_NUM_SEQS,
-        "extra_args": BATCH_ARGS,
-        "bucket_bounds": BUCKETS,
-        "dtype": DTYPE,
-    }
+    common = {"model": str(TARGET), "max_num_seqs": MAX_NUM_SEQS, "bucket_bounds": BUCKETS, "dtype": DTYPE}
     specs = [
         EngineSpec(served_model_name="tiny-plain32", runtime_dir=str(workdir / "plain"), **common),
         EngineSpec(
