@@ -161,7 +161,8 @@ def make_truth(cfg: SimConfig) -> truths.GpuTruth | truths.MeasuredCpuTruth:
             cfg.regime_stay,
             seed=cfg.seed + 1000,
         )
-        return truths.GpuTruth(cfg.gpu, cfg.model, [d.spec.method for d in cfg.drafters], library)
+        methods = [d.spec.method for d in cfg.drafters]
+        return truths.GpuTruth(cfg.gpu, cfg.model, methods, library, truths.load_forward_times())
     if cfg.truth == "measured-cpu":
         data = truths.load_measured(cfg.measured_path or truths.DEFAULT_MEASURED)
         names = [d.spec.name for d in cfg.drafters]

@@ -20,6 +20,7 @@ domain (the same index for every drafter) and walks it step by step, cyclically.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -158,7 +159,89 @@ def synthetic_library(
     return AcceptanceLibrary(out, np.full((len(alphas), 2, sequences), length, dtype=np.int64), max_k)
 
 
-# ---- gpu: a step-time model per kernel -----------------------------------------------------------------
+# ---- gpu: recorded forward passes, and a step-time model per kernel where nothing is recorded ----------
+
+DEFAULT_GPU_RECORDING = Path(__file__).resolve().parents[3] / "benchmarks" / "truths" / "measured_h200.json"
+
+
+def multilinear(table: np.ndarray, axes: tuple[np.ndarray, ...], points: tuple) -> np.ndarray:
+    """`table` (one entry per grid point of `axes`) interpolated linearly along each axis at `points`:
+    below an axis's first point the first point's value, above its last a linear extrapolation of the last
+    two points."""
+    points = np.broadcast_arrays(*(np.asarray(p, dtype=float) for p in points))
+    corners = []
+    for axis, x in zip(axes, points, strict=True):
+        x = np.maximum(x, axis[0])
+        hi = np.clip(np.searchsorted(axis, x, side="left"), 1, len(axis) - 1)
+        w = (x - axis[hi - 1]) / (axis[hi] - axis[hi - 1])
+        corners.append(((hi - 1, 1.0 - w), (hi, w)))
+    out = np.zeros(points[0].shape)
+    for corner in np.ndindex(*(2,) * len(axes)):
+        index = tuple(corners[a][bit][0] for a, bit in enumerate(corner))
+        weight = np.prod([corners[a][bit][1] for a, bit in enumerate(corner)], axis=0)
+        out = out + weight * table[index]
+    return out
+
+
+@dataclass(frozen=True)
+class ForwardTimes:
+    """One GPU's recorded forward passes (scripts/record_gpu_truth.py): per model, the dense part of a pass
+    by its token count; per attention layout, one layer's attention core by (batch, query tokens per
+    sequence, context). A pass is the dense part at batch × query tokens plus layers × the core."""
+
+    gpu: str
+    dense: dict[str, tuple[np.ndarray, np.ndarray]]  # model → (token counts, seconds)
+    layers: dict[str, int]  # model → its layers
+    layout: dict[str, str]  # model → its attention layout
+    attention: dict[str, tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]]  # layout → grid
+
+    def has(self, shape: ModelShape) -> bool:
+        return shape.name in self.dense
+
+    def pass_s(self, name: str, batch: np.ndarray, query: np.ndarray | float, ctx: np.ndarray) -> np.ndarray:
+        tokens, seconds = self.dense[name]
+        axes, table = self.attention[self.layout[name]]
+        dense = multilinear(seconds, (tokens,), (np.asarray(batch) * query,))
+        return dense + self.layers[name] * multilinear(table, axes, (batch, query, ctx))
+
+    def prefill_token_s(self, name: str) -> float:
+        """A prompt token's share of the largest dense pass recorded (prefill is one such pass)."""
+        tokens, seconds = self.dense[name]
+        return float(seconds[-1] / tokens[-1])
+
+
+@functools.lru_cache(maxsize=4)
+def load_forward_times(path: str | Path = DEFAULT_GPU_RECORDING) -> ForwardTimes:
+    """Read a recording of scripts/record_gpu_truth.py; a table with a gap, a non-positive or
+    non-finite time, or an axis that does not increase is refused (it would be replayed as a truth)."""
+    data = json.loads(Path(path).read_text())
+
+    def table(values: object, *axes: list) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+        grid = tuple(np.asarray(a, dtype=float) for a in axes)
+        t = np.asarray(values, dtype=float)
+        if t.shape != tuple(len(a) for a in grid) or not (np.isfinite(t).all() and (t > 0).all()):
+            raise ValueError(f"{path}: a table is incomplete or holds a time that is not a positive number")
+        if any(len(a) < 2 or (np.diff(a) <= 0).any() for a in grid):
+            raise ValueError(f"{path}: a table's axis has fewer than two points or does not increase")
+        return grid, t
+
+    dense, layers, layout = {}, {}, {}
+    for name, model in data["models"].items():
+        (tokens,), seconds = table(model["dense_s"], model["tokens"])
+        dense[name], layers[name], layout[name] = (
+            (tokens, seconds),
+            int(model["shape"]["layers"]),
+            model["attention"],
+        )
+    attention = {
+        key: table(a["per_layer_s"], a["batches"], a["query"], a["contexts"])
+        for key, a in data["attention"].items()
+    }
+    missing = set(layout.values()) - set(attention)
+    if missing:
+        raise ValueError(f"{path}: no attention recorded for layout(s) {sorted(missing)}")
+    return ForwardTimes(data["gpu"], dense, layers, layout, attention)
+
 
 # Datasheet figures (docs/policy.md cites them): dense BF16 tensor throughput of the H100/H200 SXM and
 # their HBM bandwidth.
@@ -192,14 +275,28 @@ def padded_batch(batch: np.ndarray) -> np.ndarray:
 
 
 class GpuTruth:
+    """Step times of one GPU: each forward pass (the target's, a draft model's or head's) replayed from the
+    GPU's recording where it holds the model (`ForwardTimes`), else built per kernel from datasheet
+    figures and assumed efficiencies; the batch padded to the captured CUDA graph it runs in, and CPU time
+    per step, per sequence and per speculative step added to either."""
+
     name = "gpu"
     prices_drafted_share = False  # `step_s` does not read `drafted`: the simulator need not compute it
 
-    def __init__(self, gpu: str, model: str, methods: list[str], library: AcceptanceLibrary) -> None:
+    def __init__(
+        self,
+        gpu: str,
+        model: str,
+        methods: list[str],
+        library: AcceptanceLibrary,
+        recording: ForwardTimes | None = None,
+    ) -> None:
         key = next((k for k in PEAK_HBM if k in gpu.upper()), None)
         if key is None:
             raise ValueError(f"gpu truth: unknown GPU {gpu!r} (known: {', '.join(sorted(PEAK_HBM))})")
         self.bw = PEAK_HBM[key]
+        # A recording of another GPU does not describe this one.
+        self.recording = recording if recording is not None and key in recording.gpu.upper() else None
         self.model = model_shape(model)
         self.costs = [drafter_cost(m) for m in methods]
         self.library = library
@@ -218,6 +315,18 @@ class GpuTruth:
             kv / (self.bw * ATTENTION_HBM_EFFICIENCY), flops / (PEAK_FLOPS * ATTENTION_FLOP_EFFICIENCY)
         )
 
+    def pass_s(
+        self, shape: ModelShape, padded: np.ndarray, query, ctx: np.ndarray, logits: bool
+    ) -> np.ndarray:
+        """One captured forward pass of `shape` over `padded` sequences of `query` tokens each; `logits`:
+        the kernel model adds the LM head's fp32 logits for the sampler (a recorded pass includes them)."""
+        if self.recording is not None and self.recording.has(shape):
+            return self.recording.pass_s(shape.name, padded, query, ctx)
+        t = self._gemm_s(shape.params, padded * query) + self._attention_s(shape, padded, query, ctx)
+        if logits:
+            t = t + padded * query * VOCAB * LOGITS_BYTES / (self.bw * HBM_EFFICIENCY)
+        return t
+
     def step_s(
         self,
         batch: np.ndarray,
@@ -232,14 +341,7 @@ class GpuTruth:
         batch, k, ctx = np.asarray(batch, float), np.asarray(k, float), np.asarray(ctx, float)
         padded = padded_batch(batch)
         n = k + 1.0
-        m = self.model
-        target = (
-            self._gemm_s(m.params, padded * n)
-            + self._attention_s(m, padded, n, ctx)
-            + padded * n * VOCAB * LOGITS_BYTES / (self.bw * HBM_EFFICIENCY)
-            + CPU_STEP_S
-            + CPU_SEQ_S * batch
-        )
+        target = self.pass_s(self.model, padded, n, ctx, logits=True) + CPU_STEP_S + CPU_SEQ_S * batch
         shape = np.broadcast(batch, k, ctx, drafter).shape
         draft = np.zeros(shape)
         for i, cost in enumerate(self.costs):
@@ -249,23 +351,20 @@ class GpuTruth:
             if cost.kind == "cpu" or cost.shape is None:
                 d = batch * (NGRAM_SEQ_S + NGRAM_CONTEXT_S * ctx)
             else:
-                s = cost.shape
-                one = self._gemm_s(s.params, padded) + self._attention_s(s, padded, 1.0, ctx) + DRAFT_LAUNCH_S
+                one = self.pass_s(cost.shape, padded, 1.0, ctx, logits=False) + DRAFT_LAUNCH_S
                 if cost.kind == "parallel":
                     d = one
                 else:
                     # The first pass runs over the tokens accepted in the last step, then K - 1 single passes.
-                    first = (
-                        self._gemm_s(s.params, padded * n)
-                        + self._attention_s(s, padded, n, ctx)
-                        + DRAFT_LAUNCH_S
-                    )
+                    first = self.pass_s(cost.shape, padded, n, ctx, logits=False) + DRAFT_LAUNCH_S
                     d = first + np.maximum(k - 1.0, 0.0) * one
             draft = np.where(sel, np.broadcast_to(d, shape), draft)
         spec = SPEC_STEP_S + SPEC_TOKEN_S * batch * k + draft
         return target + np.where(k > 0, spec, 0.0)
 
     def prefill_s(self, prompt_tokens: np.ndarray) -> np.ndarray:
+        if self.recording is not None and self.recording.has(self.model):
+            return prompt_tokens * self.recording.prefill_token_s(self.model.name)
         return prompt_tokens * 2.0 * self.model.params / (PEAK_FLOPS * PREFILL_EFFICIENCY)
 
 
