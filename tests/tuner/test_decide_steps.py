@@ -379,37 +379,6 @@ def test_the_canary_goes_where_the_batches_are_now(spec_factory, rows_for, bucke
     assert explored({}).startswith("explore bucket 4 ")  # type: ignore[union-attr]
 
 
-def test_a_cold_canary_goes_where_the_batches_are_now_and_again_at_once_if_it_measured_nothing(
-    spec_factory, rows_for, bucket_load
-) -> None:
-    """A cold fleet's metrics window holds its first seconds of small batches, its acceptance window only
-    the batches of 4 it settled at: the first canary drafts where those run. One that ran where no traffic
-    came (the acceptance still the prior's) lets the next go at the next tick, not a period later (in the
-    simulator a cold canary in bucket 1 measured nothing for five minutes at 4 requests a second)."""
-    spec = spec_factory()
-    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
-    view = view_of(spec)
-    prior = view.prior(spec.drafters[0])
-    loads = {
-        label: bucket_load(batch=b, steps_plain=500, step_s_plain=prior.step_s(b, 0))
-        for label, b in (("1", 1), ("2", 2), ("4", 4))
-    }
-    rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
-    snap = build_snapshot(rows + recent_rows({"4": 300}), 300.0)
-    costs, pods = core.FleetCosts([view], snap), list(snap.pods.values())
-    state = core.ResourceState.initial(spec)
-    state.k_by_bucket = {label: 0 for label in state.k_by_bucket}
-    accs = {"draft": acceptance(0.7, "prior")}
-    canary, note = core.next_canary(view, state, accs, costs, pods, 30.0)
-    assert canary is not None and note is not None and note.startswith("explore bucket 4 with k=4"), note
-    assert canary.remeasure
-    # It ends with the acceptance still the prior's: the next goes at once.
-    state.canary, state.last_explore_at = canary, 30.0
-    later = canary.until
-    again, note = core.next_canary(view, state, accs, costs, pods, later)
-    assert again is not None and again.until > later, note
-
-
 def test_a_fresh_acceptance_or_a_bucket_that_cannot_pay_gets_no_canary(
     spec_factory, rows_for, bucket_load
 ) -> None:

@@ -107,8 +107,7 @@ class Canary:
     k_by_bucket: dict[str, int]
     until: float
     purpose: str  # explore | trial
-    # An explore that is there to measure the drafter's acceptance (again, or for the first time at a
-    # cold start): where too little traffic reached its bucket to measure it, the next canary goes at once.
+    # An explore of a bucket whose step times are known, to measure the drafter's acceptance again.
     remeasure: bool = False
 
 
@@ -834,11 +833,10 @@ def _explore_canary(
     now: float,
     pod: str,
 ) -> tuple[Canary, str] | None:
-    """Speculate on the canary in the lowest off bucket that sees traffic, now too (steps in the
-    acceptance window, where the pods report it), and either has no speculative step-time measurement,
-    or only a remembered one that predicts at least plain decoding's speed, or, while the drafter in
-    force's acceptance is stale, could pay at all; often enough that the canary's share stays near
-    explorationShare."""
+    """Speculate on the canary in the lowest off bucket that sees traffic and either has no speculative
+    step-time measurement, or only a remembered one that predicts at least plain decoding's speed, or,
+    while the drafter in force's acceptance is stale, could pay at all and has steps now (in the
+    acceptance window); often enough that the canary's share stays near explorationShare."""
     speculation = view.spec.speculation
     interval = speculation.evaluation_interval_seconds
     period = EXPLORE_TICKS * interval / (speculation.exploration_share * len(view.pods))
@@ -862,16 +860,16 @@ def _explore_canary(
     for label in bucket_labels(speculation.batch_buckets):
         if state.k_by_bucket.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
             continue
-        # Drafts where the traffic has left would measure nothing: in a burst, or once a cold fleet's
-        # first seconds of small batches have passed, the canary goes where the batches are now.
-        if label in now_idle:
-            continue
         why, remeasure = "", False
         if cost.measured_spec(label) and stale:
             # Its step times are measured: a canary would only measure acceptance again. Worth it where
             # a drafter accepting every draft would clear minGain here; at the largest K, so that every
             # position is measured.
             if policy.ceiling_gain(cost, label, max_k) < speculation.min_gain:
+                continue
+            # Drafts where the traffic has left would measure nothing: in a burst, the acceptance is
+            # measured where the batches are now.
+            if label in now_idle:
                 continue
             k, why = max_k, f": acceptance {accs[state.drafter].source}, not measured now"
             remeasure = True
@@ -896,7 +894,7 @@ def _explore_canary(
                 continue
             # Cold, at the largest K: its drafts then measure acceptance at every position, which a small
             # K leaves to the prior (and a draft model whose later positions pay, ranked below n-gram).
-            k, remeasure = (max_k, True) if cold else (choice.k, False)
+            k = max_k if cold else choice.k
         table = dict(state.k_by_bucket)
         table[label] = k
         canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore", remeasure)
