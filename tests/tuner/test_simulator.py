@@ -508,7 +508,7 @@ def test_shadow_drafts_bring_the_fleet_to_the_drafter_the_traffic_turned_to(
     fleet keeps the draft model until n-gram's next trial, a trial period after the one on prose."""
     write_trace(tmp_path / "mix.csv", [(0.0, 2.0, 0.0), (900.0, 2.0, 1.0), (2700.0, 2.0, 1.0)])
     trace = load_trace(tmp_path / "mix.csv", tail_s=0.0)
-    # An n-gram that rarely matches prose: on the measured H200 a draft-model pass costs a fifth of a
+    # An n-gram that rarely matches prose: on the measured H200 a draft-model pass costs a quarter of a
     # target step, so the default n-gram (α 0.30 on prose, free) would beat the draft model on prose too.
     model, ngram = default_drafters()
     ngram = DrafterProfile(ngram.spec, {"code": ngram.alphas["code"], "prose": decaying(0.10, 0.02)})
@@ -534,8 +534,11 @@ def test_the_specserve_fleets_counters_add_up_as_an_engines_do(tmp_path: Path) -
     """Speculative step counters carry the K verified, and generated tokens are sequence-steps plus
     accepted tokens: for a drafter that always proposes (the draft model), exactly one draft per
     sequence-step, so the proposal rate the tuner reads is 1."""
+    # Two requests a second: batches of 1 to 8, so the first canary (bucket 1) measures. At four, on the
+    # measured H200, the batches sit at 4-14 after the first seconds and a canary in bucket 1 measures
+    # nothing for a whole exploration period (docs/policy.md, "Keeping measurements fresh: canaries").
     cfg = SimConfig(pods=2, policies=("specserve",), drafters=default_drafters()[:1])
-    sim = FleetSim(cfg, _constant(tmp_path, rate=4.0, seconds=300))
+    sim = FleetSim(cfg, _constant(tmp_path, rate=2.0, seconds=300))
     sim.run()
     i, d = 0, 0  # pod, drafter: the draft model, in force from the first decision on
     assert sim.c_steps[i, d, :, 1:].sum() > 0, "the fleet never speculated"

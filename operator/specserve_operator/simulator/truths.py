@@ -4,10 +4,12 @@ simulator's truths").
 A truth answers two questions: how long one engine step takes (batch, K, mean context, drafter), and how
 many drafted tokens each sequence gets accepted at each of its steps. Two are provided:
 
-- `gpu`: a step-time model built per kernel, unlike the controller's single roofline: CUDA-graph padding of
-  the batch to vLLM's captured sizes, GEMM efficiency that varies with the number of tokens, attention
-  and logits as kernels of their own (times add, they do not overlap), CPU time per step and per
-  sequence; acceptance from a library of synthetic sequences, over-dispersed between sequences (a
+- `gpu`: unlike the controller's single roofline, forward passes recorded on an H200
+  (scripts/record_gpu_truth.py → benchmarks/truths/measured_h200.json: the dense part by token count,
+  attention by batch, query tokens and context), the batch padded to vLLM's captured CUDA-graph sizes,
+  CPU time per step and per sequence; a GPU without a recording gets a model built per kernel (GEMM
+  efficiency that varies with the number of tokens, attention and logits as kernels of their own);
+  acceptance from a library of synthetic sequences, over-dispersed between sequences (a
   per-sequence difficulty), Markov-correlated along a sequence (easy and hard stretches), correlated
   between drafters (a hard prompt is hard for both) and drifting with the traffic domain over the day.
 - `measured-cpu`: step times per (batch, K, drafter) and acceptance sequences recorded from the real

@@ -10,7 +10,8 @@ and FLOP rate are the ones measured on an H200 (about 4.3 TB/s of the 4.8 TB/s d
 3.35 TB/s datasheet bandwidth scaled by the same 4.3/4.8 ratio. Any other GPU starts from GENERIC_GPU,
 a modest data-centre GPU (docs/policy.md, "GPUs the cost model does not know"): measurements calibrate it
 as they calibrate the others, and the resource says so in a condition.
-No GPU calibration run was possible in this session; see benchmarks/results/controller.json.
+An H200 recording since (docs/policy.md, "GPU figures") confirms the FLOP rate and streams the 8B's weights
+at 3.2 TB/s, not 4.3: the prior keeps its figures, and measured step times correct it as on any fleet.
 """
 
 from __future__ import annotations
