@@ -318,7 +318,7 @@ class GpuTruth:
         )
 
     def pass_s(
-        self, shape: ModelShape, padded: np.ndarray, query, ctx: np.ndarray, logits: bool
+        self, shape: ModelShape, padded: np.ndarray, query: np.ndarray | float, ctx: np.ndarray, logits: bool
     ) -> np.ndarray:
         """One captured forward pass of `shape` over `padded` sequences of `query` tokens each; `logits`:
         the kernel model adds the LM head's fp32 logits for the sampler (a recorded pass includes them)."""
