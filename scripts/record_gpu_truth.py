@@ -115,7 +115,8 @@ class Timer:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # PyTorch's own RMSNorm: one fused kernel on a GPU, as vLLM's is (a norm spelled out in elementwise
-    # operations launches six, which at small batch costs more than the 1B model's GEMMs).
+    # operations launches six: in a first recording they added 30 % to the 1B's pass at one token, 10 %
+    # to the 8B's).
     return F.rms_norm(x, w.shape, w, 1e-5)
 
 
