@@ -91,6 +91,25 @@ def test_poor_drafter_is_demoted_after_a_cooldown_and_replaced(spec_factory, row
     assert "demoted draft" in later.reason
 
 
+def test_a_drafter_under_the_floor_that_still_pays_is_kept(spec_factory, rows_for, bucket_load) -> None:
+    """n-gram drafts for free: at low batches a MAL of 1.65 (under the floor of 2) still pays, and
+    demoting it would leave a drafter the fleet measured as worse, or plain decoding."""
+    spec = spec_factory()
+    view = view_of(spec)
+    state = core.ResourceState.initial(spec)
+    state.drafter = "ngram"
+    loads = healthy_loads(bucket_load, view.prior(spec.drafters[1]), slow_high=1.0)
+    rows = rows_for(NS, "pod-a", "ngram", loads, alphas=(0.4,) * 8)
+    rows += rows_for(NS, "pod-b", "ngram", loads, alphas=(0.4,) * 8)
+    first = decide(view, rows, state, now=0)
+    assert first.fleet_mal["4"] < spec.speculation.mal_floor
+    assert first.scores["ngram"] >= spec.speculation.min_gain
+    later = decide(view, rows, state, now=spec.speculation.cooldown_seconds + 1)
+    assert "ngram" not in later.demoted and later.drafter == "ngram"
+    assert state.under_floor_since == {}
+    assert later.k_by_bucket["4"] > 0
+
+
 def test_better_drafter_on_a_canary_takes_over(spec_factory, rows_for, bucket_load) -> None:
     spec = spec_factory()
     view = view_of(spec)

@@ -86,19 +86,30 @@ def test_shadow_scores_come_before_live_totals_from_before_a_switch(
 def test_a_drafter_whose_shadow_drafts_win_takes_over_without_a_trial(
     spec_factory, rows_for, bucket_load
 ) -> None:
-    """Both pods run the draft model; the traffic turned code-like and n-gram's shadow drafts are now
-    accepted far more often: the next decision switches every pod to n-gram."""
+    """Both pods run the draft model, above the MAL floor; the traffic turned code-like and n-gram's
+    shadow drafts are now accepted far more often: n-gram's steps were timed when it was in force
+    earlier, so the next decision switches every pod to n-gram, without a trial."""
+    from specserve_operator.tuner import policy
+
     spec = spec_factory()
     view = view_of(spec)
     state = core.ResourceState.initial(spec)
+    timed = policy.RatioMemory()
+    timed.record(view.cost_group(spec.drafters[1]), {}, {"4": 1.0, "16": 1.0}, 0.0)
+
+    def decide_timed(rows: list, now: float) -> core.Decision:
+        snap = observations.build_snapshot(rows, 300.0)
+        return core.decide(view, snap, state, core.FleetCosts([view], snap, (), timed, now), now)
+
     loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
     rows = []
     for pod in ("pod-a", "pod-b"):
-        rows += rows_for(NS, pod, "draft", loads, alphas=(0.5,) * 8)
-    first = decide(view, rows, state, now=0)
+        rows += rows_for(NS, pod, "draft", loads, alphas=(0.6,) * 8)
+    first = decide_timed(rows, now=0)
     assert first.drafter == "draft" and "ngram" not in first.scores  # nothing measured n-gram yet
     later = rows + shadow_rows("pod-a", "ngram", (0.95,) * 4) + shadow_rows("pod-b", "ngram", (0.95,) * 4)
-    d = decide(view, later, state, now=spec.speculation.cooldown_seconds + 1)
+    d = decide_timed(later, now=spec.speculation.cooldown_seconds + 1)
+    assert not d.demoted and "trial" not in d.reason
     assert d.scores["ngram"] > d.scores["draft"]
     assert d.drafter == "ngram" and d.action == "switchDrafter"
     assert {p.drafter for p in d.pods.values()} == {"ngram"}

@@ -448,7 +448,10 @@ class SpeculationSpec(_Model):
         gt=1.0,
         le=17.0,
         alias="malFloor",
-        description="Mean accepted length below which a drafter is demoted (and the alert fires).",
+        description=(
+            "Mean accepted length below which a drafter is demoted unless it still pays (minGain), "
+            "and the alert fires."
+        ),
     )
     min_gain: float = Field(
         default=1.1,

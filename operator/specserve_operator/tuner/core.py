@@ -595,8 +595,11 @@ def demotions(
     speculation: SpeculationSpec,
     now: float,
     failing: Mapping[str, float] | None = None,
+    paying: Collection[str] = (),
 ) -> Demotions:
-    """A drafter whose MAL at its largest K stays under the floor for a cooldown is demoted, and at once
+    """A drafter whose MAL at its largest K stays under the floor for a cooldown is demoted, unless it
+    still pays (`paying`: its predicted goodput on the resource's batch mix, on measured step times,
+    reaches minGain; a free drafter such as n-gram pays at low batches with a MAL under 2), and at once
     one whose sidecar calls failed in the window without a single accepted draft (`failing`, from
     failing_drafters): it is broken, not unlucky. A demotion is reconsidered (the drafter tried again)
     after DEMOTION_TTL_S: traffic changes, and a broken drafter may have been fixed. It is lifted sooner
@@ -625,7 +628,7 @@ def demotions(
         if acc.source not in MEASURED_NOW or acc.source == "shadow" or name in demoted:
             continue
         mal = acc.tokens(d.max_speculative_tokens)
-        if mal < speculation.mal_floor:
+        if mal < speculation.mal_floor and name not in paying:
             since = under.setdefault(name, now)
             if now - since >= speculation.cooldown_seconds:
                 demoted[name] = now
@@ -1046,8 +1049,9 @@ def decide(
     )
     scores = drafter_scores(view, accs, costs, observations, in_force=state.drafter)
     failing = failing_drafters(observations)
+    paying = {name for name, score in scores.items() if score >= view.spec.speculation.min_gain}
     demoted = demotions(
-        drafters, accs, state.demoted, state.under_floor_since, view.spec.speculation, now, failing
+        drafters, accs, state.demoted, state.under_floor_since, view.spec.speculation, now, failing, paying
     )
     state.demoted, state.under_floor_since = demoted.demoted, demoted.under_floor_since
     state.last_score.update(scores)
