@@ -598,7 +598,7 @@ def demotions(
     paying: Collection[str] = (),
 ) -> Demotions:
     """A drafter whose MAL at its largest K stays under the floor for a cooldown is demoted, unless it
-    still pays (`paying`: its predicted goodput on the resource's batch mix, on measured step times,
+    still pays (`paying`: its predicted goodput on the resource's batch mix, on calibrated step times,
     reaches minGain; a free drafter such as n-gram pays at low batches with a MAL under 2), and at once
     one whose sidecar calls failed in the window without a single accepted draft (`failing`, from
     failing_drafters): it is broken, not unlucky. A demotion is reconsidered (the drafter tried again)
