@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve_operator.tuner import core, observations
+from specserve_operator.tuner import core, observations, policy
 from specserve_testing.tuner_loads import loads_at_prior, shadow_rows
 
 NS = "ml"
@@ -16,9 +16,15 @@ def view_of(spec) -> core.ResourceView:
     return core.ResourceView(NS, "llm", spec, ("pod-a", "pod-b"))
 
 
-def decide(view: core.ResourceView, rows: list, state: core.ResourceState, now: float) -> core.Decision:
+def decide(
+    view: core.ResourceView,
+    rows: list,
+    state: core.ResourceState,
+    now: float,
+    memory: policy.RatioMemory | None = None,
+) -> core.Decision:
     snap = observations.build_snapshot(rows, 300.0)
-    return core.decide(view, snap, state, core.FleetCosts([view], snap, ()), now)
+    return core.decide(view, snap, state, core.FleetCosts([view], snap, (), memory, now), now)
 
 
 def test_shadow_counts_are_folded_per_drafter_and_checked() -> None:
@@ -89,26 +95,19 @@ def test_a_drafter_whose_shadow_drafts_win_takes_over_without_a_trial(
     """Both pods run the draft model, above the MAL floor; the traffic turned code-like and n-gram's
     shadow drafts are now accepted far more often: n-gram's steps were timed when it was in force
     earlier, so the next decision switches every pod to n-gram, without a trial."""
-    from specserve_operator.tuner import policy
-
     spec = spec_factory()
     view = view_of(spec)
     state = core.ResourceState.initial(spec)
     timed = policy.RatioMemory()
     timed.record(view.cost_group(spec.drafters[1]), {}, {"4": 1.0, "16": 1.0}, 0.0)
-
-    def decide_timed(rows: list, now: float) -> core.Decision:
-        snap = observations.build_snapshot(rows, 300.0)
-        return core.decide(view, snap, state, core.FleetCosts([view], snap, (), timed, now), now)
-
     loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
     rows = []
     for pod in ("pod-a", "pod-b"):
         rows += rows_for(NS, pod, "draft", loads, alphas=(0.6,) * 8)
-    first = decide_timed(rows, now=0)
+    first = decide(view, rows, state, now=0, memory=timed)
     assert first.drafter == "draft" and "ngram" not in first.scores  # nothing measured n-gram yet
     later = rows + shadow_rows("pod-a", "ngram", (0.95,) * 4) + shadow_rows("pod-b", "ngram", (0.95,) * 4)
-    d = decide_timed(later, now=spec.speculation.cooldown_seconds + 1)
+    d = decide(view, later, state, now=spec.speculation.cooldown_seconds + 1, memory=timed)
     assert not d.demoted and "trial" not in d.reason
     assert d.scores["ngram"] > d.scores["draft"]
     assert d.drafter == "ngram" and d.action == "switchDrafter"
@@ -139,8 +138,6 @@ def test_a_drafter_measured_in_the_shadow_gets_a_trial_only_where_its_score_cann
     were never timed and its score (on borrowed step times) comes within the switch margin of the drafter
     in force: not when it is clearly worse, and not once its steps were timed (here: remembered from an
     earlier time in force)."""
-    from specserve_operator.tuner import policy
-
     spec = spec_factory()
     view = view_of(spec)
     ngram = next(d for d in spec.drafters if d.name == "ngram")
@@ -151,9 +148,7 @@ def test_a_drafter_measured_in_the_shadow_gets_a_trial_only_where_its_score_cann
         for pod in ("pod-a", "pod-b"):
             rows += rows_for(NS, pod, "draft", loads, alphas=(0.8,) * 8)
             rows += shadow_rows(pod, "ngram", (ngram_alpha,) * 4)
-        snap = observations.build_snapshot(rows, 300.0)
-        state = core.ResourceState.initial(spec)
-        return core.decide(view, snap, state, core.FleetCosts([view], snap, (), memory, 0.0), 0.0)
+        return decide(view, rows, core.ResourceState.initial(spec), 0.0, memory)
 
     close = first_decision(0.65, policy.RatioMemory())
     assert abs(close.scores["ngram"] / close.scores["draft"] - 1) < core.SWITCH_MARGIN
