@@ -83,6 +83,14 @@ def test_a_speculating_step_is_bucketed_by_the_requests_it_scheduled() -> None:
     assert step.accepted_per_position == (1, 1, 0)
     assert step.draft_tokens_per_position == (2, 2, 1)
     assert step.k == 3  # the longest draft: the K in force
+    assert step.prefill  # one request was in its prompt: the counters leave this step out
+
+
+def test_a_step_that_prefilled_no_prompt_is_a_decode_step() -> None:
+    step = observe_step(SchedulerStats(iteration_details=_details(ctx=0, gen=1)), _iteration(1), BOUNDS)
+    assert step is not None and not step.prefill
+    alone = observe_step(SchedulerStats(iteration_details=_details(ctx=1, gen=0)), _iteration(1), BOUNDS)
+    assert alone is not None and alone.prefill and alone.bucket == "1"
 
 
 def test_k_is_the_longest_draft_not_the_engines_maximum() -> None:

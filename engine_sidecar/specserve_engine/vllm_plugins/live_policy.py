@@ -174,8 +174,13 @@ class LivePolicyScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._trace is not None and verified is not None:
             drafted, accepted = verified
+            new = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+            cached = scheduler_output.scheduled_cached_reqs
             record = {
                 "batch": len(scheduler_output.num_scheduled_tokens),
+                "prefill": any(
+                    r in new or cached.is_context_phase(r) for r in scheduler_output.num_scheduled_tokens
+                ),
                 "generated": sum(len(o.new_token_ids) for eco in outputs.values() for o in eco.outputs),
                 "drafted": drafted,
                 "accepted": accepted,

@@ -6,6 +6,13 @@ vLLM calls `record()` in the API server once per engine-core message; a step's m
 spec-decoding stats of the drafts verified in that same step. Steps without iteration details (idle
 messages, DP dummies) are not engine steps and are not counted.
 
+Only decode steps count: a step that prefilled a prompt (whole or a chunk, `num_ctx_requests` > 0) is
+left out of every counter here, drafts included. Its time is the prompt's, not the batch's decode: on
+this repository's CPU engine the prefill step of a lone request took 18.6 ms against 3.8 ms for its
+decode steps, and counted as a plain step it made plain decoding look five times slower than it was
+at batch 1 while the pod speculated (every other step there drafts), and every drafter's gain with it
+(docs/metrics.md). vLLM's own counters still count those steps' drafts.
+
 `speculating` is "true" for a step that verified at least one draft token. Drafts, and the step counters
 of speculative steps, are labelled with the colocated drafter's name (from --additional-config) or, for
 sidecar-hosted drafters, the drafter named by the policy file at the time of the step; plain steps carry
@@ -40,6 +47,7 @@ class StepObservation:
 
     bucket: str
     speculating: bool
+    prefill: bool  # a prompt (or a chunk of one) was prefilled: not a decode step
     seconds: float
     generated_tokens: int
     drafts: int
@@ -69,6 +77,7 @@ def observe_step(
     return StepObservation(
         bucket=bucket_for(batch, bucket_bounds),
         speculating=draft_tokens > 0,
+        prefill=details.num_ctx_requests > 0,
         seconds=details.elapsed_ms / 1000.0,
         generated_tokens=iteration_stats.num_generation_tokens if iteration_stats is not None else 0,
         drafts=spec.num_drafts if spec is not None else 0,
@@ -126,7 +135,7 @@ class SpecserveStatLogger(StatLoggerBase):
         engine_idx: int = 0,
     ) -> None:
         step = observe_step(scheduler_stats, iteration_stats, self._plugin.bucket_bounds)
-        if step is None:
+        if step is None or step.prefill:
             return
         c = self._counters
         drafter = self._drafter() if step.speculating else ""
