@@ -104,7 +104,8 @@ async def _settled(engine: RunningEngine, n_steps: int, timeout_s: float = 10.0)
 
 async def assert_counters_equal_the_step_record(engines: list[RunningEngine]) -> None:
     """A workload over several buckets on every engine; each engine's per-bucket counters must equal
-    what its scheduler traced, step by step, and vLLM's own unbucketed draft counter."""
+    what its scheduler traced for its decode steps, step by step, and with the prefill steps' drafts
+    vLLM's own unbucketed draft counter."""
 
     async def workload(engine: RunningEngine) -> None:
         await complete_many(engine, prompts("code")[:1], MAX_TOKENS)
