@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
 from specserve_operator.local.errors import LocalFleetError
 from specserve_operator.local.fleet import (
@@ -22,6 +23,17 @@ from specserve_operator.local.fleet import (
     run_session,
 )
 from specserve_operator.local.plan import FleetPlan
+from specserve_operator.local.prometheus import PrometheusError
+from specserve_operator.local.replay import (
+    RecordedRun,
+    StoredPrometheus,
+    format_tick,
+    load_run,
+    replay,
+    replay_range,
+    tick_times,
+)
+from specserve_operator.local.replay import __doc__ as replay_doc
 from specserve_operator.local.report import (
     RUN_BEST_STATIC,
     RUN_OFF,
@@ -101,6 +113,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     report = sub.add_parser("report", help="re-render a run's report from its data.json")
     report.add_argument("run_dir", type=Path, help="a run folder written by `specserve local up`")
     report.set_defaults(func=report_command)
+    replay = sub.add_parser(
+        "replay",
+        help="drive the controller again over a run's stored Prometheus data, tick by tick",
+        description=replay_doc,
+    )
+    replay.add_argument("run_dir", type=Path, help="a run folder written by `specserve local up`")
+    replay.add_argument(
+        "--from",
+        dest="start",
+        default=None,
+        help="first tick, ISO 8601 (default: the first recorded decision)",
+    )
+    replay.add_argument(
+        "--to", dest="end", default=None, help="last tick, ISO 8601 (default: where the run's data ends)"
+    )
+    replay.add_argument(
+        "--controller-window",
+        type=float,
+        default=60.0,
+        help="the run's --controller-window (default: %(default)s)",
+    )
+    replay.add_argument("--every-tick", action="store_true", help="a line for every tick, holds included")
+    replay.set_defaults(func=replay_command)
 
 
 def report_command(args: argparse.Namespace) -> int:
@@ -111,6 +146,47 @@ def report_command(args: argparse.Namespace) -> int:
     md = write_report(data_json.parent, load_report_input(data_json))
     print(md)
     return 0
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    try:
+        if args.controller_window < 5 or not math.isfinite(args.controller_window):
+            raise LocalFleetError("--controller-window: must be at least 5 seconds")
+        run = load_run(args.run_dir)
+        first, last = replay_range(run, args.start, args.end)
+        times = tick_times(first, last, run.interval_s)
+        with StoredPrometheus(run.data_dir) as prometheus:
+            counts = asyncio.run(_replay(run, prometheus.url, times, args))
+    except LocalFleetError as exc:
+        console.print(f"[bold red]error:[/bold red] {escape(exc.message)}")
+        if exc.hint:
+            console.print(f"[yellow]hint:[/yellow] {escape(exc.hint)}")
+        return 2
+    except PrometheusError as exc:
+        console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
+        return 2
+    ticks, shown, recorded, same = counts
+    print(
+        f"replayed {ticks} ticks, {shown} shown; the run recorded {recorded} decisions in that span, "
+        f"{same} with the action replayed"
+    )
+    return 0
+
+
+async def _replay(
+    run: RecordedRun, url: str, times: list[float], args: argparse.Namespace
+) -> tuple[int, ...]:
+    ticks = shown = recorded = same = 0
+    async for tick in replay(run, url, times, args.controller_window):
+        ticks += 1
+        if tick.recorded is not None:
+            recorded += 1
+            same += tick.recorded.action == tick.action
+        if args.every_tick or tick.notable:
+            shown += 1
+            print(format_tick(tick), flush=True)
+    return ticks, shown, recorded, same
 
 
 def options_from_args(args: argparse.Namespace) -> UpOptions:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import requests
@@ -183,13 +183,15 @@ def parse_vector(result: object) -> Iterator[observations.Row]:
 class PrometheusReader:
     """Reads one Prometheus; `queries` counts the HTTP queries made (the batching guarantee is tested).
     Step counters and draft totals cover `window_s`, per-position acceptance `acceptance_window_s`
-    (by default observations.acceptance_window_of(window_s))."""
+    (by default observations.acceptance_window_of(window_s)). `evaluation_time`, where given, is the
+    time (Unix seconds) each query is evaluated at instead of now: a replay over stored data."""
 
     url: str
     window_s: float = 300.0
     acceptance_window_s: float | None = None
     timeout_s: float = 5.0
     headers: dict[str, str] | None = None
+    evaluation_time: Callable[[], float] | None = None
     queries: int = 0
     _session: requests.Session | None = field(default=None, init=False, repr=False)
 
@@ -202,10 +204,13 @@ class PrometheusReader:
         if self._session is None:
             # A plain session mounts adapters without retries: the controller backs off between ticks.
             self._session = requests.Session()
+        params = {"query": promql}
+        if self.evaluation_time is not None:
+            params["time"] = f"{self.evaluation_time():.3f}"
         try:
             response = self._session.get(
                 f"{self.url.rstrip('/')}/api/v1/query",
-                params={"query": promql},
+                params=params,
                 headers=self.headers,
                 timeout=self.timeout_s,
             )
