@@ -74,7 +74,7 @@ async def test_k_follows_the_batch_size_bucket(ngram_engine: RunningEngine, spec
 
 
 async def test_stat_logger_counters_equal_the_per_step_record(spec_engines: list[RunningEngine]) -> None:
-    await assert_counters_equal_the_step_record(spec_engines)
+    await assert_counters_equal_the_step_record(spec_engines, some_steps_without_drafts=True)
 
 
 async def test_sampling_is_lossless_with_every_colocated_drafter(

@@ -15,7 +15,7 @@ from specserve_engine.policy_file import PodPolicy, PolicyReader, policy_path, w
 from specserve_engine.vllm_plugins.live_policy import lookup_for_policy
 from specserve_engine.vllm_plugins.plain_filled_blocks import PlainFilledBlocks
 from specserve_engine.vllm_plugins.plugin_config import SpecservePluginConfig
-from specserve_engine.vllm_plugins.stat_logger import observe_step
+from specserve_engine.vllm_plugins.stat_logger import KInForce, observe_step, step_labels
 
 BOUNDS = (1, 2, 4, 8)
 
@@ -106,6 +106,43 @@ def test_a_plain_step_and_a_large_batch() -> None:
     step = observe_step(SchedulerStats(iteration_details=_details(0, 20)), _iteration(20), BOUNDS)
     assert step is not None
     assert (step.bucket, step.speculating, step.drafts, step.k) == ("+Inf", False, 0, 0)
+
+
+def test_a_step_without_drafts_under_a_k_in_force_is_speculative() -> None:
+    """n-gram without a match proposes nothing, and the step still runs the speculative path: it counts
+    as a speculative step of the drafter at the K in force, not as a plain step."""
+    step = observe_step(SchedulerStats(iteration_details=_details(0, 1)), _iteration(1), BOUNDS)
+    assert step is not None and (step.batch, step.speculating, step.drafts) == (1, False, 0)
+    assert step_labels(step, k_in_force=3) == (True, 3)
+    assert step_labels(step, k_in_force=0) == (False, 0)
+    spec = SpecDecodingStats.new(4)
+    spec.observe_draft(num_draft_tokens=2, num_accepted_tokens=1)
+    drafted = observe_step(
+        SchedulerStats(iteration_details=_details(0, 1), spec_decoding_stats=spec), _iteration(2), BOUNDS
+    )
+    # Drafts verified make a speculative step whatever the table says now (it changed since they were made).
+    assert step_labels(drafted, k_in_force=0) == (True, 2)
+
+
+def test_k_in_force_is_the_schedulers_table_for_the_policy(tmp_path: Path) -> None:
+    labels = bucket_labels(BOUNDS)
+    reader = PolicyReader(policy_path(tmp_path), recheck_s=0.0)
+    k = KInForce(reader, engine_drafter=None, max_num_seqs=12, max_k=4)
+    assert k.at(1) == 4  # no policy yet: the start-up table, K everywhere
+    table = {"1": 4, "2": 3, "4": 2, "8": 1, "+Inf": 0}
+    write_policy(PodPolicy(1, "ngram", "on", table, BOUNDS), tmp_path)
+    p = reader.current()
+    assert [k.at(b) for b in range(1, 13)] == lookup_for_policy(
+        p.drafter, p.mode, p.schedule(12), None, 12, 4
+    )[1:]
+    assert [k.at(b) for b in (1, 2, 3, 8, 9)] == [4, 3, 2, 1, 0]
+    write_policy(PodPolicy(2, "ngram", "off", table, BOUNDS), tmp_path)
+    assert k.at(1) == 0
+    write_policy(PodPolicy(3, "ngram", "on", dict.fromkeys(labels, 9), BOUNDS), tmp_path)
+    assert k.at(1) == 4  # capped at the engine's start-up K, as the scheduler caps it
+    colocated = KInForce(reader, engine_drafter="eagle3", max_num_seqs=12, max_k=4)
+    assert colocated.at(1) == 0  # the policy names a drafter the engine does not run
+    assert KInForce(reader, engine_drafter=None, max_num_seqs=12, max_k=0).at(1) == 0  # no speculation
 
 
 def test_messages_that_are_not_steps_are_ignored() -> None:

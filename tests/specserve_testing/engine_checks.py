@@ -102,10 +102,14 @@ async def _settled(engine: RunningEngine, n_steps: int, timeout_s: float = 10.0)
         await asyncio.sleep(0.2)
 
 
-async def assert_counters_equal_the_step_record(engines: list[RunningEngine]) -> None:
+async def assert_counters_equal_the_step_record(
+    engines: list[RunningEngine], *, some_steps_without_drafts: bool = False
+) -> None:
     """A workload over several buckets on every engine; each engine's per-bucket counters must equal
     what its scheduler traced for its decode steps, step by step, and with the prefill steps' drafts
-    vLLM's own unbucketed draft counter."""
+    vLLM's own unbucketed draft counter. `some_steps_without_drafts`: the workload must also have made
+    decode steps under a K in force in which the drafter proposed nothing (n-gram, suffix), which count
+    as speculative steps."""
 
     async def workload(engine: RunningEngine) -> None:
         await complete_many(engine, prompts("code")[:1], MAX_TOKENS)
@@ -114,6 +118,7 @@ async def assert_counters_equal_the_step_record(engines: list[RunningEngine]) ->
 
     befores = await asyncio.gather(*(scrape(e) for e in engines))
     starts = [len(e.trace()) for e in engines]
+    without_drafts = 0
     await asyncio.gather(*(workload(e) for e in engines))
     for engine, before, start in zip(engines, befores, starts, strict=True):
         steps = engine.trace()[start:]
@@ -121,6 +126,8 @@ async def assert_counters_equal_the_step_record(engines: list[RunningEngine]) ->
         decode_steps = [step for step in steps if not step["prefill"]]
         after = await _settled(engine, int(total_before) + len(decode_steps))
         _check_exact(engine, steps, before, after)
+        without_drafts += sum(1 for step in decode_steps if step["k"] > 0 and not step["drafted"])
+    assert without_drafts > 0 or not some_steps_without_drafts, "no step went without drafts under a K"
 
 
 def _check_exact(engine: RunningEngine, steps: list[dict], before: dict, after: dict) -> None:
@@ -131,7 +138,8 @@ def _check_exact(engine: RunningEngine, steps: list[dict], before: dict, after: 
     assert any(step["prefill"] for step in steps) and any(not step["prefill"] for step in steps)
     for step in (step for step in steps if not step["prefill"]):
         bucket = bucket_for(step["batch"], DEFAULT_BUCKETS)
-        speculating = "true" if any(step["drafted"]) else "false"
+        # Speculative: drafts verified, or a K scheduled (a drafter without a match proposes nothing).
+        speculating = "true" if any(step["drafted"]) or step["k"] > 0 else "false"
         expect[(metric_names.ENGINE_STEPS.name, bucket, speculating)] += 1
         expect[(metric_names.ENGINE_GENERATED_TOKENS.name, bucket, speculating)] += step["generated"]
         if step["drafted"]:

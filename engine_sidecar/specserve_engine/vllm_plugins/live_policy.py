@@ -26,8 +26,8 @@ Depends on vLLM internals (`Scheduler.dynamic_sd_lookup`, `schedule`, `update_fr
 (tests/engine/).
 
 Setting SPECSERVE_STEP_TRACE=<path> makes the scheduler append one JSON line per executed step (batch
-size, drafts, accepted tokens, generated tokens), computed from the scheduler's own inputs and outputs:
-a ground-truth record to check the stat-logger plugin against, and a debugging aid.
+size, the K it scheduled, drafts, accepted tokens, generated tokens), computed from the scheduler's own
+inputs and outputs: a ground-truth record to check the stat-logger plugin against, and a debugging aid.
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ class LivePolicyScheduler(Scheduler):
                     r in new or cached.is_context_phase(r) for r in scheduler_output.num_scheduled_tokens
                 ),
                 "generated": sum(len(o.new_token_ids) for eco in outputs.values() for o in eco.outputs),
+                "k": scheduler_output.num_spec_tokens_to_schedule,
                 "drafted": drafted,
                 "accepted": accepted,
             }
