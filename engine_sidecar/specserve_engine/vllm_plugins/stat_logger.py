@@ -23,9 +23,9 @@ its steps at batch 1, and the rate read 1.03 instead of 0.69.
 
 Drafts, and the step counters of speculative steps, are labelled with the colocated drafter's name (from
 --additional-config) or, for sidecar-hosted drafters, the drafter named by the policy file at the time
-of the step; plain steps carry an empty `drafter`. `k` is the longest
-draft the step verified (the K in force: a drafter may propose fewer tokens for a row, never more), or
-for a speculative step without drafts the K in force; "0" for plain steps.
+of the step; plain steps carry an empty `drafter`. `k` is the longest draft the step verified (the K in
+force: a drafter may propose fewer tokens for a row, never more), or for a speculative step without
+drafts the K in force; "0" for plain steps.
 
 It also registers the collector of the sidecar proposer's step outcomes (`specserve_proposer_calls_total`,
 counted by the proposer in the worker processes, see proposer.py), read from the runtime dir at scrape.
