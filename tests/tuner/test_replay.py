@@ -90,6 +90,7 @@ def test_a_folder_that_is_not_a_run_is_refused_with_what_is_missing(
     (run / "prometheus-data").mkdir()
     with pytest.raises(LocalFleetError, match="recorded no decision"):
         replay_range(load_run(run), None, None)
+    assert replay_range(load_run(run), "2026-01-01T00:00:00Z", None)[1] > 0  # --from is enough
     bad = spec_body_factory(replicas=1, speculation={"evaluationInterval": "-5s"})
     with pytest.raises(LocalFleetError, match="its spec is not valid"):
         load_run(_write_run(tmp_path / "bad", bad, [], None))

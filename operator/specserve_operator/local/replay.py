@@ -199,7 +199,11 @@ class StoredPrometheus:
         self.process = PrometheusProcess(data_dir=copy, log_path=self._tmp / "prometheus.log")
 
     def __enter__(self) -> PrometheusProcess:
-        return self.process.start()
+        try:
+            return self.process.start()
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.process.stop()
@@ -212,7 +216,8 @@ def replay_range(run: RecordedRun, start: str | None, end: str | None) -> tuple[
     if start is None and not run.decisions:
         raise LocalFleetError("the run recorded no decision to start from", hint="give --from")
     first = _timestamp(start, "--from") if start is not None else run.decisions[0].time
-    last = _timestamp(end, "--to") if end is not None else max(first, run.decisions[-1].time) + 3600.0
+    last_decision = run.decisions[-1].time if run.decisions else first
+    last = _timestamp(end, "--to") if end is not None else max(first, last_decision) + 3600.0
     if last < first:
         raise LocalFleetError(f"--to ({end}) is before the replay's start ({_clock(first)})")
     return first, last
