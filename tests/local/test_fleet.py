@@ -23,8 +23,11 @@ SPECSERVE = Path(sys.executable).parent / "specserve"
 # Quiet long enough for the controller to measure, busy well past the cliff, quiet again. The quiet
 # phases are all code, where the tiny draft model pays about 1.5x at concurrency 1 (benchmarks/results/
 # local_fleet.json); on half prose it pays about 1.05x, inside this machine's noise, and a CI run measured
-# it losing and rightly kept speculation off.
-TRAFFIC = "quiet:40s:1:1,busy:60s:16:0.5,quiet:50s:1:1"
+# it losing and rightly kept speculation off. The last quiet phase is longer than one exploration
+# interval (about 50 s at the example's explorationShare 0.2): a CI run ended the busy phase with batch 1
+# off, priced on speculative steps timed under the busy phase's contention, its first canary went to the
+# bucket the draining batches were in, and the next came after a 50 s phase had ended.
+TRAFFIC = "quiet:40s:1:1,busy:60s:16:0.5,quiet:70s:1:1"
 
 
 def _up(out: Path, *extra: str) -> subprocess.Popen[str]:
