@@ -50,7 +50,7 @@ from specserve_operator.local.report import (
 )
 from specserve_operator.local.rules import usable_rule_files
 from specserve_operator.local.samples import DecisionRecord, FleetSample
-from specserve_operator.local.status_file import record_tick
+from specserve_operator.local.status_file import FLEET_FILE, PROMETHEUS_DATA_DIR, record_tick
 from specserve_operator.local.sweep import (
     Candidate,
     Shape,
@@ -254,7 +254,7 @@ async def start_fleet(s: Session, rt: FleetRuntime) -> None:
         scrape_configs=scrape_jobs(plan.namespace, targets),
         rule_files=rules,
         port=s.opts.prometheus_port,
-        data_dir=plan.run_dir / "prometheus-data",
+        data_dir=plan.run_dir / PROMETHEUS_DATA_DIR,
         log_path=plan.run_dir / "prometheus.log",
     )
     try:
@@ -263,7 +263,7 @@ async def start_fleet(s: Session, rt: FleetRuntime) -> None:
     except PrometheusError as exc:
         raise LocalFleetError(f"Prometheus did not start: {exc}", hint=preflight.PROMETHEUS_HINT) from None
     s.say(f"Prometheus at {rt.prometheus.url} ({len(rules)} rule file(s) from the chart)")
-    (plan.run_dir / "fleet.json").write_text(
+    (plan.run_dir / FLEET_FILE).write_text(
         json.dumps(
             {
                 "prometheus": rt.prometheus.url,

@@ -24,13 +24,10 @@ from pydantic import ValidationError
 from specserve_operator.api.models import SpeculativeServingSpec
 from specserve_operator.local.errors import LocalFleetError
 from specserve_operator.local.prometheus import PrometheusProcess
-from specserve_operator.local.status_file import STATUS_FILE
+from specserve_operator.local.status_file import FLEET_FILE, PROMETHEUS_DATA_DIR, STATUS_FILE
 from specserve_operator.tuner import core
 from specserve_operator.tuner.loop import FleetController
 from specserve_operator.tuner.reader import PrometheusReader
-
-FLEET_FILE = "fleet.json"
-DATA_DIR = "prometheus-data"
 
 
 @dataclass(frozen=True)
@@ -115,7 +112,7 @@ def load_run(run_dir: Path) -> RecordedRun:
         decisions.append(
             RecordedDecision(_timestamp(d["time"], where), str(d["action"]), str(d.get("reason")))
         )
-    data_dir = run_dir / DATA_DIR
+    data_dir = run_dir / PROMETHEUS_DATA_DIR
     if not data_dir.is_dir():
         raise LocalFleetError(f"{data_dir}: no such folder", hint="the run's Prometheus data is needed")
     view = core.ResourceView(namespace, name, spec, tuple(sorted(pods)))

@@ -21,6 +21,9 @@ from specserve_operator.tuner.loop import ResourceTick
 from specserve_operator.tuner.report import status_patch
 
 STATUS_FILE = "status.json"
+# The run folder's other files that `specserve local replay` reads: the pods' addresses, Prometheus's data.
+FLEET_FILE = "fleet.json"
+PROMETHEUS_DATA_DIR = "prometheus-data"
 DECISIONS_KEPT = 50
 
 
