@@ -379,6 +379,72 @@ def test_the_canary_goes_where_the_batches_are_now(spec_factory, rows_for, bucke
     assert explored({}).startswith("explore bucket 4 ")  # type: ignore[union-attr]
 
 
+def test_when_the_load_falls_onto_a_stale_acceptance_the_next_explore_goes_early(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    """A busy phase ended with every bucket off: the acceptance in hand is the busy traffic's, and the
+    quiet traffic's value waits for the next explore, up to a period away (a whole phase of the local
+    fleet). When the batches move to a smaller bucket, that explore goes at once, once a period;
+    not when the load rises, nor on a fresh acceptance."""
+    spec = spec_factory()
+    spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
+    view = view_of(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
+    rows = rows_for(NS, "pod-a", "draft", loads) + rows_for(NS, "pod-b", "draft", loads)
+    interval = spec.speculation.evaluation_interval_seconds
+    period = core.EXPLORE_TICKS * interval / (spec.speculation.exploration_share * 2)
+    assert period > 3 * core.EXPLORE_TICKS * interval  # an early explore is early
+    stale = {"draft": acceptance(0.3, "remembered")}
+
+    def tick(state: core.ResourceState, recent: dict[str, float], now: float, accs=stale) -> str | None:
+        snap = build_snapshot(rows + recent_rows(recent), 300.0)
+        canary, note = core.next_canary(
+            view, state, accs, core.FleetCosts([view], snap), list(snap.pods.values()), now
+        )
+        if canary is not None and note is not None:
+            core._started(state, canary, now)
+        state.canary = None  # ended: each tick asks afresh
+        return note
+
+    def busy_then(now: float) -> core.ResourceState:
+        state = core.ResourceState.initial(spec)
+        state.k_by_bucket = {label: 0 for label in state.k_by_bucket}
+        state.last_score["draft"] = 1.0
+        state.last_explore_at = now - 2 * core.EXPLORE_TICKS * interval  # an explore in the busy phase
+        assert tick(state, {"64": 500.0}, now) is None
+        return state
+
+    state = busy_then(1000.0)
+    note = tick(state, {"4": 400.0, "64": 100.0}, 1000.0 + interval)
+    assert note == (
+        "explore bucket 4 with k=4 on pod pod-a: acceptance remembered, not measured now; "
+        "the batches moved to a smaller bucket"
+    )
+    # Once a period: the next fall waits for the period.
+    assert tick(state, {"64": 500.0}, 1000.0 + 4 * core.EXPLORE_TICKS * interval) is None
+    assert tick(state, {"4": 500.0}, 1000.0 + 5 * core.EXPLORE_TICKS * interval) is None
+    assert tick(state, {"4": 500.0}, 1000.0 + interval + period).startswith("explore bucket 4 ")  # type: ignore[union-attr]
+    # Never sooner than EXPLORE_TICKS after the last explore.
+    state = busy_then(1000.0)
+    state.last_explore_at = 1000.0
+    assert tick(state, {"4": 500.0}, 1000.0 + interval) is None
+    assert tick(state, {"4": 500.0}, 1000.0 + core.EXPLORE_TICKS * interval) is not None
+    # The load rose, or fell back where it rose from: no early explore.
+    state = busy_then(1000.0)
+    assert tick(state, {"4": 500.0}, 1000.0 + interval) is not None
+    state = core.ResourceState.initial(spec)
+    state.k_by_bucket = {label: 0 for label in state.k_by_bucket}
+    state.last_score["draft"] = 1.0
+    state.last_explore_at = 1000.0 - 2 * core.EXPLORE_TICKS * interval
+    assert tick(state, {"4": 500.0}, 1000.0) is None
+    assert tick(state, {"64": 500.0}, 1000.0 + interval) is None
+    # The acceptance in hand is this traffic's: the explore keeps to the period.
+    state = busy_then(1000.0)
+    fresh = {"draft": acceptance(0.3, "measured")}
+    assert tick(state, {"4": 500.0}, 1000.0 + interval, fresh) is None
+    assert state.load_fell  # remembered, for when the acceptance goes stale
+
+
 def test_a_fresh_acceptance_or_a_bucket_that_cannot_pay_gets_no_canary(
     spec_factory, rows_for, bucket_load
 ) -> None:

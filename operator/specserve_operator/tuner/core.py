@@ -127,6 +127,11 @@ class ResourceState:
     canary: Canary | None = None
     canary_round: int = 0
     last_explore_at: float = -math.inf
+    # The bucket with the most steps in the acceptance window at the last tick, whether the batches have
+    # moved to a smaller bucket since the last explore, and when an explore last went early for that.
+    mix_bucket: str | None = None
+    load_fell: bool = False
+    early_explore_at: float = -math.inf
     last_trial_at: dict[str, float] = field(default_factory=dict)
     under_floor_since: dict[str, float] = field(default_factory=dict)
     demoted: dict[str, float] = field(default_factory=dict)
@@ -716,6 +721,7 @@ def next_canary(
     """Keep measuring what is switched off: one canary pod at a time either tries another drafter
     (trial) or speculates in the off bucket nearest the cliff that has traffic (explore). Returns the
     canary for this tick and, for a new one, a note saying what it measures."""
+    _follow_batch_mix(view, state, observations)
     ended = state.canary
     if ended is not None:
         alive = ended.pod in view.pods and ended.drafter not in state.demoted
@@ -751,6 +757,24 @@ def next_canary(
             return ended, None
         return found
     return None, None
+
+
+def _follow_batch_mix(view: ResourceView, state: ResourceState, observations: list[PodObservation]) -> None:
+    """Note whether the batches moved to a smaller bucket (the load fell): the bucket with the most steps
+    in the acceptance window, against the last tick's. Pods that do not report those steps say nothing."""
+    recent = recent_steps(observations)
+    if not recent or max(recent.values()) <= 0:
+        return
+    order = {label: i for i, label in enumerate(bucket_labels(view.spec.speculation.batch_buckets))}
+    now = max(recent, key=lambda label: (recent[label], -order.get(label, 0)))
+    if now not in order:
+        return
+    before = order.get(state.mix_bucket, order[now])
+    if order[now] < before:
+        state.load_fell = True
+    elif order[now] > before:
+        state.load_fell = False
+    state.mix_bucket = now
 
 
 def _trial_settled(
@@ -843,16 +867,20 @@ def _explore_canary(
     speculation = view.spec.speculation
     interval = speculation.evaluation_interval_seconds
     period = EXPLORE_TICKS * interval / (speculation.exploration_share * len(view.pods))
-    if now - state.last_explore_at < max(period, EXPLORE_TICKS * interval):
+    # No drafts of the drafter in force in the acceptance window: its acceptance is from traffic that
+    # may have gone (a busy phase's prose, say), and with every bucket that has traffic switched off
+    # nothing would measure it again (docs/policy.md, "Keeping measurements fresh").
+    stale = accs[state.drafter].source not in FRESH_ACCEPTANCE
+    # The load fell into buckets decided on that stale acceptance: the next explore goes now rather
+    # than up to a period later, once a period (docs/policy.md, "Keeping measurements fresh").
+    early = state.load_fell and stale and now - state.early_explore_at >= period
+    since = now - state.last_explore_at
+    if since < EXPLORE_TICKS * interval or (since < period and not early):
         return None
     active = view.spec.drafter(state.drafter)
     max_k = active.max_speculative_tokens
     cost = costs.cost(view, active)
     cold = state.drafter not in state.last_score
-    # No drafts of the drafter in force in the acceptance window: its acceptance is from traffic that
-    # may have gone (a busy phase's prose, say), and with every bucket that has traffic switched off
-    # nothing would measure it again (docs/policy.md, "Keeping measurements fresh").
-    stale = accs[state.drafter].source not in FRESH_ACCEPTANCE
     traffic: dict[str, float] = {}
     for obs in observations:
         for label, s in obs.buckets.items():
@@ -901,6 +929,9 @@ def _explore_canary(
         table = dict(state.k_by_bucket)
         table[label] = k
         canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore", remeasure)
+        if since < period:
+            state.early_explore_at = now
+            why += "; the batches moved to a smaller bucket"
         return canary, f"explore bucket {label} with k={k} on pod {pod}{why}"
     if accs[state.drafter].source not in FRESH_ACCEPTANCE:
         return None
@@ -1179,6 +1210,7 @@ def _started(state: ResourceState, canary: Canary, now: float) -> None:
     """Record a new canary's start: the next one goes to the next pod, and the measured drafter (trial)
     or bucket (explore) is not due again for a while."""
     state.canary_round += 1
+    state.load_fell = False  # it measures acceptance on the traffic of now
     if canary.purpose == "trial":
         state.last_trial_at[canary.drafter] = now
     else:
