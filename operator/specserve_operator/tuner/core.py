@@ -766,15 +766,15 @@ def _follow_batch_mix(view: ResourceView, state: ResourceState, observations: li
     if not recent or max(recent.values()) <= 0:
         return
     order = {label: i for i, label in enumerate(bucket_labels(view.spec.speculation.batch_buckets))}
-    now = max(recent, key=lambda label: (recent[label], -order.get(label, 0)))
-    if now not in order:
+    busiest = max(recent, key=lambda label: (recent[label], -order.get(label, 0)))
+    if busiest not in order:
         return
-    before = order.get(state.mix_bucket, order[now])
-    if order[now] < before:
+    before = order.get(state.mix_bucket, order[busiest])
+    if order[busiest] < before:
         state.load_fell = True
-    elif order[now] > before:
+    elif order[busiest] > before:
         state.load_fell = False
-    state.mix_bucket = now
+    state.mix_bucket = busiest
 
 
 def _trial_settled(
