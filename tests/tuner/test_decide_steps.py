@@ -384,8 +384,9 @@ def test_when_the_load_falls_onto_a_stale_acceptance_the_next_explore_goes_early
 ) -> None:
     """A busy phase ended with every bucket off: the acceptance in hand is the busy traffic's, and the
     quiet traffic's value waits for the next explore, up to a period away (a whole phase of the local
-    fleet). When the batches move to a smaller bucket, that explore goes at once, once a period;
-    not when the load rises, nor on a fresh acceptance."""
+    fleet). When the batches move to a smaller bucket, that explore goes at once, once a period, and
+    measures acceptance there again even where the acceptance in hand is fresh: it was measured largely
+    on the traffic before. Not when the load rises."""
     spec = spec_factory()
     spec = spec.model_copy(update={"drafters": spec.drafters[:1]})
     view = view_of(spec)
@@ -438,11 +439,22 @@ def test_when_the_load_falls_onto_a_stale_acceptance_the_next_explore_goes_early
     state.last_explore_at = 1000.0 - 2 * core.EXPLORE_TICKS * interval
     assert tick(state, {"4": 500.0}, 1000.0) is None
     assert tick(state, {"64": 500.0}, 1000.0 + interval) is None
-    # The acceptance in hand is this traffic's: the explore keeps to the period.
+    # A fresh acceptance was measured largely on the traffic before: the bucket the batches moved to
+    # is measured again all the same, and only it.
     state = busy_then(1000.0)
     fresh = {"draft": acceptance(0.3, "measured")}
-    assert tick(state, {"4": 500.0}, 1000.0 + interval, fresh) is None
-    assert state.load_fell  # remembered, for when the acceptance goes stale
+    assert tick(state, {"4": 400.0, "64": 100.0}, 1000.0 + interval, fresh) == (
+        "explore bucket 4 with k=4 on pod pod-a: acceptance measured on the traffic before the batches "
+        "moved here"
+    )
+    state = busy_then(1000.0)
+    assert tick(state, {"16": 400.0, "4": 100.0}, 1000.0 + interval, fresh).startswith(  # type: ignore[union-attr]
+        "explore bucket 16 "
+    )
+    # Once the period is over, a fresh acceptance gets no explore of step times measured now, as before.
+    state = busy_then(1000.0)
+    state.last_explore_at = 0.0
+    assert tick(state, {"64": 500.0}, 1000.0 + interval, fresh) is None
 
 
 def test_a_fresh_acceptance_or_a_bucket_that_cannot_pay_gets_no_canary(

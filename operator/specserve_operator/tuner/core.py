@@ -871,11 +871,15 @@ def _explore_canary(
     # may have gone (a busy phase's prose, say), and with every bucket that has traffic switched off
     # nothing would measure it again (docs/policy.md, "Keeping measurements fresh").
     stale = accs[state.drafter].source not in FRESH_ACCEPTANCE
-    # The load fell into buckets decided on that stale acceptance: the next explore goes now rather
-    # than up to a period later, once a period (docs/policy.md, "Keeping measurements fresh").
-    early = state.load_fell and stale and now - state.early_explore_at >= period
+    # The batches moved to a smaller bucket (the load fell): what decided it off was measured largely on
+    # the traffic before (a busy phase's mix), so it is measured again, now rather than up to a period
+    # later, once a period (docs/policy.md, "Keeping measurements fresh").
+    moved_to = state.mix_bucket if state.load_fell else None
     since = now - state.last_explore_at
-    if since < EXPLORE_TICKS * interval or (since < period and not early):
+    early = since < period
+    if since < EXPLORE_TICKS * interval or (
+        early and (moved_to is None or now - state.early_explore_at < period)
+    ):
         return None
     active = view.spec.drafter(state.drafter)
     max_k = active.max_speculative_tokens
@@ -891,8 +895,10 @@ def _explore_canary(
     for label in bucket_labels(speculation.batch_buckets):
         if state.k_by_bucket.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
             continue
+        if early and label != moved_to:
+            continue
         why, remeasure = "", False
-        if cost.measured_spec(label) and stale:
+        if cost.measured_spec(label) and (stale or label == moved_to):
             # Its step times are measured: a canary would only measure acceptance again. Worth it where
             # a drafter accepting every draft would clear minGain here; at the largest K, so that every
             # position is measured.
@@ -902,8 +908,12 @@ def _explore_canary(
             # measured where the batches are now.
             if label in now_idle:
                 continue
-            k, why = max_k, f": acceptance {accs[state.drafter].source}, not measured now"
-            remeasure = True
+            k, remeasure = max_k, True
+            why = (
+                f": acceptance {accs[state.drafter].source}, not measured now"
+                if stale
+                else ": acceptance measured on the traffic before the batches moved here"
+            )
         elif cost.measured_spec_now(label):
             continue  # step times measured in the window stand: they decided this bucket off
         elif cost.measured_spec(label):
@@ -929,9 +939,10 @@ def _explore_canary(
         table = dict(state.k_by_bucket)
         table[label] = k
         canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore", remeasure)
-        if since < period:
+        if early:
             state.early_explore_at = now
-            why += "; the batches moved to a smaller bucket"
+            if stale or not remeasure:
+                why += "; the batches moved to a smaller bucket"
         return canary, f"explore bucket {label} with k={k} on pod {pod}{why}"
     if accs[state.drafter].source not in FRESH_ACCEPTANCE:
         return None
