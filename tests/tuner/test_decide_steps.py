@@ -3,6 +3,8 @@ demotion, the drafter choice, the K table, the canary, the action's name, and th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specserve_operator.tuner import core, policy
@@ -397,8 +399,10 @@ def test_when_the_load_falls_onto_a_stale_acceptance_the_next_explore_goes_early
     assert period > 3 * core.EXPLORE_TICKS * interval  # an early explore is early
     stale = {"draft": acceptance(0.3, "remembered")}
 
-    def tick(state: core.ResourceState, recent: dict[str, float], now: float, accs=stale) -> str | None:
-        snap = build_snapshot(rows + recent_rows(recent), 300.0)
+    def tick(
+        state: core.ResourceState, recent: dict[str, float], now: float, accs=stale, window=rows
+    ) -> str | None:
+        snap = build_snapshot(window + recent_rows(recent), 300.0)
         canary, note = core.next_canary(
             view, state, accs, core.FleetCosts([view], snap), list(snap.pods.values()), now
         )
@@ -455,6 +459,20 @@ def test_when_the_load_falls_onto_a_stale_acceptance_the_next_explore_goes_early
     state = busy_then(1000.0)
     state.last_explore_at = 0.0
     assert tick(state, {"64": 500.0}, 1000.0 + interval, fresh) is None
+    # Turned off this very tick, after running speculative steps only: the batches are there all the same.
+    spec_only = dict(loads)
+    spec_only["4"] = replace(loads["4"], steps_plain=0.0)
+    only_spec_rows = rows_for(NS, "pod-a", "draft", spec_only) + rows_for(NS, "pod-b", "draft", spec_only)
+    state = busy_then(1000.0)
+    assert tick(state, {"4": 500.0}, 1000.0 + interval, fresh, only_spec_rows).startswith(  # type: ignore[union-attr]
+        "explore bucket 4 with k=4 "
+    )
+    # Where the batches moved to is on, an early explore has nothing to measure, and the probe of the
+    # next K (bucket 4 measured at one K) keeps to the period.
+    state = busy_then(1000.0)
+    state.k_by_bucket["4"] = 3
+    assert tick(state, {"4": 500.0}, 1000.0 + interval, fresh) is None
+    assert tick(state, {"4": 500.0}, 1000.0 + period, fresh).startswith("probe bucket 4 ")  # type: ignore[union-attr]
 
 
 def test_a_fresh_acceptance_or_a_bucket_that_cannot_pay_gets_no_canary(

@@ -893,7 +893,10 @@ def _explore_canary(
     # Buckets the traffic has left: no steps in the acceptance window (where the pods report it).
     now_idle = {label for label in traffic if recent.get(label, 0.0) <= 0} if recent else set()
     for label in bucket_labels(speculation.batch_buckets):
-        if state.k_by_bucket.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
+        # The bucket the batches moved to has them (its steps until this tick may all be speculative).
+        if state.k_by_bucket.get(label, 0) > 0 or (
+            label != moved_to and traffic.get(label, 0.0) < policy.MIN_STEPS
+        ):
             continue
         if early and label != moved_to:
             continue
@@ -944,7 +947,7 @@ def _explore_canary(
             if stale or not remeasure:
                 why += "; the batches moved to a smaller bucket"
         return canary, f"explore bucket {label} with k={k} on pod {pod}{why}"
-    if accs[state.drafter].source not in FRESH_ACCEPTANCE:
+    if early or accs[state.drafter].source not in FRESH_ACCEPTANCE:
         return None
     probe = _k_probe(state.k_by_bucket, accs[state.drafter], cost, max_k, observations)
     if probe is None:
