@@ -381,7 +381,7 @@ def test_the_canary_goes_where_the_batches_are_now(spec_factory, rows_for, bucke
     assert explored({}).startswith("explore bucket 4 ")  # type: ignore[union-attr]
 
 
-def test_when_the_load_falls_onto_a_stale_acceptance_the_next_explore_goes_early(
+def test_when_the_load_falls_the_bucket_it_fell_into_is_explored_at_once(
     spec_factory, rows_for, bucket_load
 ) -> None:
     """A busy phase ended with every bucket off: the acceptance in hand is the busy traffic's, and the
@@ -434,9 +434,7 @@ def test_when_the_load_falls_onto_a_stale_acceptance_the_next_explore_goes_early
     state.last_explore_at = 1000.0
     assert tick(state, {"4": 500.0}, 1000.0 + interval) is None
     assert tick(state, {"4": 500.0}, 1000.0 + core.EXPLORE_TICKS * interval) is not None
-    # The load rose, or fell back where it rose from: no early explore.
-    state = busy_then(1000.0)
-    assert tick(state, {"4": 500.0}, 1000.0 + interval) is not None
+    # The load rose: no early explore.
     state = core.ResourceState.initial(spec)
     state.k_by_bucket = {label: 0 for label in state.k_by_bucket}
     state.last_score["draft"] = 1.0

@@ -128,7 +128,7 @@ class ResourceState:
     canary_round: int = 0
     last_explore_at: float = -math.inf
     # The bucket with the most steps in the acceptance window at the last tick, whether the batches have
-    # moved to a smaller bucket since the last explore, and when an explore last went early for that.
+    # moved to a smaller bucket since the last canary started, and when an explore last went early for it.
     mix_bucket: str | None = None
     load_fell: bool = False
     early_explore_at: float = -math.inf
@@ -863,7 +863,9 @@ def _explore_canary(
     """Speculate on the canary in the lowest off bucket that sees traffic and either has no speculative
     step-time measurement, or only a remembered one that predicts at least plain decoding's speed, or,
     while the drafter in force's acceptance is stale, could pay at all and has steps now (in the
-    acceptance window); often enough that the canary's share stays near explorationShare."""
+    acceptance window); often enough that the canary's share stays near explorationShare. The bucket the
+    batches just moved to (the load fell) has its acceptance measured again whatever its source, and
+    sooner than the period, once a period."""
     speculation = view.spec.speculation
     interval = speculation.evaluation_interval_seconds
     period = EXPLORE_TICKS * interval / (speculation.exploration_share * len(view.pods))
