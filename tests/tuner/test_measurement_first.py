@@ -83,3 +83,50 @@ def test_a_pod_first_seen_has_not_switched_drafters(spec_factory, rows_for, buck
     d = core.decide(view, snap, state, core.FleetCosts([view], snap), 30.0)
     assert state.switched_pods(60.0, 300.0) == set()
     assert d.k_by_bucket["4"] == 0 and d.k_by_bucket["16"] == 0, d.reason  # measured 10x slow: off
+
+
+def test_a_measurement_of_the_acceptance_window_outranks_the_totals_while_the_windows_overlap() -> None:
+    """Live drafts fall under the acceptance window's minimum (a switch turned every bucket off, say):
+    the metrics window's totals then reach back to the traffic before a mix change (on the local fleet,
+    n-gram's totals said α 0.35 from a trial on the code phase, its shadow 0.66 on prose five seconds
+    before, and the draft model it had just left won an early trial on it). The last measurement from
+    the acceptance window stands while that window overlaps this one."""
+    fresh = {"a": acceptance(0.66, "shadow")}
+    _, memory = core.recalled_acceptance(fresh, {}, now=100.0, acceptance_window_s=12.0)
+    stale = {"a": acceptance(0.35, "totals")}
+    accs, kept = core.recalled_acceptance(stale, memory, now=105.0, acceptance_window_s=12.0)
+    assert accs["a"].source == "remembered" and accs["a"].alphas == fresh["a"].alphas
+    assert kept == memory  # still dated when it was measured: it gives way one window on
+    accs, kept = core.recalled_acceptance(stale, memory, now=112.0, acceptance_window_s=12.0)
+    assert accs["a"] == stale["a"] and kept["a"] == (stale["a"], 112.0)
+    # Totals remembered are no measurement of the acceptance window: the totals of now stand.
+    _, memory = core.recalled_acceptance(stale, {}, now=100.0, acceptance_window_s=12.0)
+    accs, _ = core.recalled_acceptance({"a": acceptance(0.5, "totals")}, memory, 105.0, 12.0)
+    assert accs["a"].alphas == (0.5,) * 4
+
+
+def test_decide_keeps_a_recent_acceptance_window_measurement_over_the_totals(
+    spec_factory, rows_for, bucket_load
+) -> None:
+    spec = spec_factory()
+    view = view_of(spec)
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafter("ngram")))
+    per_position = (observations.ACCEPTED_POS, observations.PROPOSED_POS)
+    rows = [
+        r
+        for pod in view.pods
+        for r in rows_for(NS, pod, "ngram", loads, alphas=(0.35,) * 8)
+        if r[0] not in per_position  # few live drafts in the acceptance window: totals only
+    ]
+    snapshot = observations.build_snapshot(rows, 300.0)
+    now = 10_000.0
+    window = observations.acceptance_window_of(300.0)
+    for measured_ago, kept in ((window / 2, True), (window + 1, False)):
+        state = core.ResourceState.initial(spec)
+        state.drafter, state.decided = "ngram", True
+        shadow = (acceptance(0.66, "shadow"), now - measured_ago)
+        state.acceptance_seen = {"ngram": shadow}
+        core.decide(view, snapshot, state, core.FleetCosts([view], snapshot), now)
+        assert (state.acceptance_seen["ngram"] == shadow) is kept
+        if not kept:
+            assert state.acceptance_seen["ngram"][0].source == "totals"

@@ -16,7 +16,13 @@ from specserve_operator.api.models import DrafterSpec, SpeculationSpec, Speculat
 from specserve_operator.render.children import initial_policy, with_active_drafter
 from specserve_operator.tuner import policy
 from specserve_operator.tuner.costmodel import StepCostPrior, drafter_cost, gpu_spec, known_gpu, model_shape
-from specserve_operator.tuner.observations import BucketStats, FleetSnapshot, PodObservation, stats_of
+from specserve_operator.tuner.observations import (
+    BucketStats,
+    FleetSnapshot,
+    PodObservation,
+    acceptance_window_of,
+    stats_of,
+)
 
 # A drafter beats the one in force only by this much predicted goodput (no switching on noise).
 SWITCH_MARGIN = 0.05
@@ -483,17 +489,29 @@ def recalled_acceptance(
     accs: Mapping[str, policy.Acceptance],
     seen: Mapping[str, tuple[policy.Acceptance, float]],
     now: float,
+    acceptance_window_s: float = 0.0,
 ) -> tuple[dict[str, policy.Acceptance], dict[str, tuple[policy.Acceptance, float]]]:
     """Measurement before prior: a drafter with no drafts in the window (every bucket off) keeps its last
     measured acceptance, as `remembered`, for ACCEPTANCE_TTL_S; the prior only stands for drafters never
     measured. A drafter whose counters were refused keeps its last measurement as it was (source and
-    all: the policy holds), without refreshing it. Returns the acceptances to decide with and the updated
-    memory."""
+    all: the policy holds), without refreshing it. A drafter measured only by the metrics window's totals
+    now, but from its acceptance window (live or shadow) less than `acceptance_window_s` ago, keeps that
+    measurement, as `remembered`: its window overlaps this one, while the totals reach back to the
+    traffic of minutes before (docs/policy.md, "Two windows"). Returns the acceptances to decide with
+    and the updated memory."""
     memory = {name: (acc, at) for name, (acc, at) in seen.items() if now - at < ACCEPTANCE_TTL_S}
     out: dict[str, policy.Acceptance] = {}
     for name, acc in accs.items():
+        last = memory.get(name)
         if acc.source == REFUSED:
-            out[name] = memory[name][0] if name in memory else dataclasses.replace(acc, source="prior")
+            out[name] = last[0] if last is not None else dataclasses.replace(acc, source="prior")
+        elif (
+            acc.source == "totals"
+            and last is not None
+            and last[0].source in FRESH_ACCEPTANCE
+            and now - last[1] < acceptance_window_s
+        ):
+            out[name] = dataclasses.replace(last[0], source="remembered")
         elif acc.source != "prior":
             memory[name] = (acc, now)
             out[name] = acc
@@ -1092,7 +1110,10 @@ def decide(
     state.decided = True
 
     accs, state.acceptance_seen = recalled_acceptance(
-        measured_acceptance(drafters, observations), state.acceptance_seen, now
+        measured_acceptance(drafters, observations),
+        state.acceptance_seen,
+        now,
+        acceptance_window_of(snapshot.window_s),
     )
     scores = drafter_scores(view, accs, costs, observations, in_force=state.drafter)
     failing = failing_drafters(observations)
