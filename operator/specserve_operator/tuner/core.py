@@ -515,8 +515,8 @@ def recalled_acceptance(
         elif acc.source != "prior":
             memory[name] = (acc, now)
             out[name] = acc
-        elif name in memory:
-            out[name] = dataclasses.replace(memory[name][0], source="remembered")
+        elif last is not None:
+            out[name] = dataclasses.replace(last[0], source="remembered")
         else:
             out[name] = acc
     return out, memory
