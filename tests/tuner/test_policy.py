@@ -442,6 +442,29 @@ def test_a_fixed_cost_per_speculative_step_measured_at_two_ks_is_fitted_not_scal
     assert tuner_policy.best_k(acc, fitted, label, 5).k > tuner_policy.best_k(acc, scaled, label, 5).k
 
 
+def test_a_k_measured_now_is_priced_at_its_own_measurement_beside_a_fitted_fixed_cost() -> None:
+    """n-gram on a CPU at batch 2 costs the same at K = 1, 2 and 3 and more at K = 4: a line fitted through
+    the Ks prices K = 3 above what it measured. Each K measured in the window is priced at its own
+    measurement; the fit prices only the Ks not measured (K = 5 here)."""
+    p = prior("ngram")
+    label, batch = "1", 1.0
+
+    def true_step(k: int) -> float:
+        if k == 3:
+            return p.step_s(batch, 0) + 5e-4  # cheaper than any line through the other Ks says
+        return p.step_s(batch, 0) + (7e-4 if k else 0.0) + 0.5 * (p.step_s(batch, k) - p.step_s(batch, 0))
+
+    cost = tuner_policy.CalibratedCost(p, {label: _steps_at_ks(p, batch, true_step, (1, 2, 3, 4))}, BOUNDS)
+    assert label in cost.affine and cost.measured_ks_now(label) == (1, 2, 3, 4)
+    for k in range(1, 5):
+        assert cost.step_s(label, k) == pytest.approx(true_step(k), rel=1e-6)
+    fixed, slope = cost.affine[label]
+    fitted_k5 = p.step_s(batch, 0) + fixed + slope * (p.step_s(batch, 5) - p.step_s(batch, 0))
+    assert cost.step_s(label, 5) == pytest.approx(fitted_k5, rel=1e-6)
+    fitted_k3 = p.step_s(batch, 0) + fixed + slope * (p.step_s(batch, 3) - p.step_s(batch, 0))
+    assert fitted_k3 > true_step(3) + 1e-4  # what pricing K = 3 by the fit would have said
+
+
 def test_ks_remembered_from_earlier_windows_join_the_fit_and_a_k_measured_now_wins() -> None:
     p = prior("ngram")
     label, batch = "1", 1.0

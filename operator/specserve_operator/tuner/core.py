@@ -970,13 +970,44 @@ def _explore_canary(
     if early or accs[state.drafter].source not in FRESH_ACCEPTANCE:
         return None
     probe = _k_probe(state.k_by_bucket, accs[state.drafter], cost, max_k, observations)
+    why = "its step time is not measured now"
+    if probe is None and not cold:
+        probe = _off_bucket_probe(state.k_by_bucket, accs[state.drafter], cost, max_k, traffic)
+        why = "measured off at other Ks, this one predicted at least plain decoding's speed"
     if probe is None:
         return None
     label, k = probe
     table = dict(state.k_by_bucket)
     table[label] = k
     canary = Canary(pod, state.drafter, table, now + EXPLORE_TICKS * interval, "explore")
-    return canary, f"probe bucket {label} at k={k} on pod {pod}: its step time is not measured now"
+    return canary, f"probe bucket {label} at k={k} on pod {pod}: {why}"
+
+
+def _off_bucket_probe(
+    table: Mapping[str, int],
+    acc: policy.Acceptance,
+    cost: policy.CalibratedCost,
+    max_k: int,
+    traffic: Mapping[str, float],
+) -> tuple[str, int] | None:
+    """The bucket and K of the next probe of an off bucket, or None: the lowest off bucket with traffic
+    whose step times were measured in the window at some Ks, at the K not measured there predicted best,
+    if that K predicts at least plain decoding's speed. The Ks measured decided the bucket off; the others
+    are priced from them (a fitted fixed cost, or the prior's shape), and a step time need not follow
+    either: on the measured CPU truth n-gram's steps at batch 2 cost the same at K = 1, 2 and 3 and more
+    at K = 4, and a line through K = 1, 2 and 4 priced K = 3 dear enough to keep the bucket off
+    (docs/policy.md, "Keeping measurements fresh: canaries")."""
+    for label in cost.ranges:
+        if table.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
+            continue
+        measured = cost.measured_ks_now(label)
+        if not measured:
+            continue
+        choice = policy.best_k(acc, cost, label, max_k)
+        unmeasured = [k for k in range(1, max_k + 1) if k not in measured and choice.gain_at(k) >= 1.0]
+        if unmeasured:
+            return label, max(unmeasured, key=choice.gain_at)
+    return None
 
 
 def _k_probe(

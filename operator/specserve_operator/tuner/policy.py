@@ -303,10 +303,11 @@ class CalibratedCost:
     c, a fixed cost per speculative step, and s, the slope, fitted on the Ks measured (`_affine_excess`).
     A drafter whose step costs the same at any K (an n-gram lookup behind an RPC, on a CPU) then looks no
     cheaper at K = 1 than it measured at K = 4, where one ratio would have scaled its measured cost down
-    with the prior's. Without such a fit, a bucket measured in the window at two or more Ks prices each
-    of them at its own excess ratio, and the Ks between and beyond them interpolated (`_interpolated`):
-    the truth's shape in K, not the prior's, where the window shows it (docs/policy.md, "Each K measured
-    now, at its own ratio")."""
+    with the prior's. Every K measured in the window is priced at its own excess ratio, fit or not (a
+    line through the Ks is not what each measured); with a fit, the other Ks take the fit; without one,
+    a bucket measured in the window at two or more Ks prices the Ks between and beyond them interpolated
+    (`_interpolated`): the truth's shape in K, not the prior's, where the window shows it
+    (docs/policy.md, "Each K measured now, at its own ratio")."""
 
     def __init__(
         self,
@@ -435,11 +436,12 @@ class CalibratedCost:
             b = self.batch[label] if batch is None else batch
             plain = self.prior.step_s(b, 0)
             excess = 0.0
-            if k > 0 and label in self.affine:
+            measured_now = self.excess_by_k.get(label, {})
+            if k > 0 and label in self.affine and k not in measured_now:
                 fixed, slope = self.affine[label]
                 excess = fixed + (self.prior.step_s(b, k) - plain) * slope
-            elif k > 0 and len(self.excess_by_k.get(label, {})) >= 2:
-                excess = (self.prior.step_s(b, k) - plain) * _interpolated(self.excess_by_k[label], k)
+            elif k > 0 and (k in measured_now or len(measured_now) >= 2):
+                excess = (self.prior.step_s(b, k) - plain) * _interpolated(measured_now, k)
             elif k > 0:
                 excess = (self.prior.step_s(b, k) - plain) * self.ratio(label, k)
             self._memo[key] = (plain * self.ratio(label, 0), excess)
