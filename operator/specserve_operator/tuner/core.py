@@ -991,12 +991,13 @@ def _off_bucket_probe(
     traffic: Mapping[str, float],
 ) -> tuple[str, int] | None:
     """The bucket and K of the next probe of an off bucket, or None: the lowest off bucket with traffic
-    whose step times were measured in the window at some Ks, at the K not measured there predicted best,
-    if that K predicts at least plain decoding's speed. The Ks measured decided the bucket off; the others
-    are priced from them (a fitted fixed cost, or the prior's shape), and a step time need not follow
-    either: on the measured CPU truth n-gram's steps at batch 2 cost the same at K = 1, 2 and 3 and more
-    at K = 4, and a line through K = 1, 2 and 4 priced K = 3 dear enough to keep the bucket off
-    (docs/policy.md, "Keeping measurements fresh: canaries")."""
+    whose step times were measured in the window at some Ks, at least one of them at plain decoding's
+    speed or better, at the K not measured there predicted best, if that K predicts at least plain
+    decoding's speed. The Ks measured decided the bucket off; the others are priced from them (a fitted
+    fixed cost, or the prior's shape), and a step time need not follow either: on the measured CPU truth
+    n-gram's steps at batch 2 cost the same at K = 1, 2 and 3 and more at K = 4, and a line through
+    K = 1, 2 and 4 priced K = 3 dear enough to keep the bucket off (docs/policy.md, "Keeping
+    measurements fresh: canaries")."""
     for label in cost.ranges:
         if table.get(label, 0) > 0 or traffic.get(label, 0.0) < policy.MIN_STEPS:
             continue
@@ -1004,6 +1005,10 @@ def _off_bucket_probe(
         if not measured:
             continue
         choice = policy.best_k(acc, cost, label, max_k)
+        if max(choice.gain_at(k) for k in measured) < 1.0:
+            # Slower than plain decoding at every K it ran: a K priced from those is not measured on
+            # extrapolation alone (on the measured CPU truth, busy buckets' canaries grew the queue).
+            continue
         unmeasured = [k for k in range(1, max_k + 1) if k not in measured and choice.gain_at(k) >= 1.0]
         if unmeasured:
             return label, max(unmeasured, key=choice.gain_at)
