@@ -465,6 +465,19 @@ def test_when_the_load_falls_the_bucket_it_fell_into_is_explored_at_once(
     assert tick(state, {"4": 500.0}, 1000.0 + interval, fresh, only_spec_rows).startswith(  # type: ignore[union-attr]
         "explore bucket 4 with k=4 "
     )
+    # Step times that say no drafter could pay there were timed on the traffic before as well (a busy
+    # phase's batch-1 steps): the bucket the batches moved to is measured again all the same, and a
+    # stale acceptance alone measures no bucket they say that of.
+    slow = loads_at_prior(bucket_load, view.prior(spec.drafters[0]), slow=8.0)
+    slow_rows = rows_for(NS, "pod-a", "draft", slow) + rows_for(NS, "pod-b", "draft", slow)
+    state = busy_then(1000.0)
+    assert tick(state, {"4": 500.0}, 1000.0 + interval, stale, slow_rows).startswith(  # type: ignore[union-attr]
+        "explore bucket 4 with k=4 "
+    )
+    state = busy_then(1000.0)
+    state.last_explore_at = 0.0
+    assert tick(state, {"4": 200.0, "64": 500.0}, 1000.0 + interval, stale, slow_rows) is None
+    assert tick(state, {"4": 200.0, "64": 500.0}, 1000.0 + interval, stale) is not None
     # Where the batches moved to is on, an early explore has nothing to measure, and the probe of the
     # next K (bucket 4 measured at one K) keeps to the period.
     state = busy_then(1000.0)

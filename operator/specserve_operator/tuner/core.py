@@ -922,10 +922,13 @@ def _explore_canary(
             continue
         why, remeasure = "", False
         if cost.measured_spec(label) and (stale or label == moved_to):
-            # Its step times are measured: a canary would only measure acceptance again. Worth it where
-            # a drafter accepting every draft would clear minGain here; at the largest K, so that every
-            # position is measured.
-            if policy.ceiling_gain(cost, label, max_k) < speculation.min_gain:
+            # Its step times are measured: a canary measures acceptance again, worth it where a drafter
+            # accepting every draft would clear minGain here; at the largest K, so that every position
+            # is measured. The bucket the batches moved to is measured again whatever its step times
+            # say: they were timed on the traffic before as well (on the local fleet, a busy phase's
+            # batch-1 steps at K 4 took 15-17 ms against 10-11 in the quiet phase after it, and bucket 1
+            # waited 60 s for the next explore; docs/policy.md, "Keeping measurements fresh").
+            if label != moved_to and policy.ceiling_gain(cost, label, max_k) < speculation.min_gain:
                 continue
             # Drafts where the traffic has left would measure nothing: in a burst, the acceptance is
             # measured where the batches are now.
