@@ -199,6 +199,19 @@ def test_the_k_table_turns_on_where_speculation_pays_and_finds_the_cliff(spec_fa
     # A bucket flipped within the cooldown keeps its state (hysteresis).
     held, _ = core.k_table(acceptance(0.8), cost, 4, off, {labels[0]: 0.0}, spec.speculation, now=1.0)
     assert held.k_by_bucket[labels[0]] == 0
+    # Unless a canary is measuring acceptance there again (the load fell): on a fresh acceptance, until
+    # the tick after it ends.
+    interval = spec.speculation.evaluation_interval_seconds
+
+    def within_cooldown(acc: policy.Acceptance, until: float) -> int:
+        update, _ = core.k_table(
+            acc, cost, 4, off, {labels[0]: 0.0}, spec.speculation, 1.0, (), {labels[0]: until}
+        )
+        return update.k_by_bucket[labels[0]]
+
+    assert within_cooldown(acceptance(0.8), until=1.0) > 0
+    assert within_cooldown(acceptance(0.8), until=1.0 - interval) == 0
+    assert within_cooldown(acceptance(0.8, "remembered"), until=1.0) == 0
     # A K above the drafter's maximum is capped first.
     capped, _ = core.k_table(acceptance(0.8), cost, 2, dict.fromkeys(labels, 9), {}, spec.speculation, 0.0)
     assert max(capped.k_by_bucket.values()) <= 2
@@ -425,6 +438,8 @@ def test_when_the_load_falls_the_bucket_it_fell_into_is_explored_at_once(
         "explore bucket 4 with k=4 on pod pod-a: acceptance remembered, not measured now; "
         "the batches moved to a smaller bucket"
     )
+    # Its bucket may turn on inside the cooldown until the tick after the canary ends (k_table).
+    assert state.remeasured_until == {"4": 1000.0 + interval + core.EXPLORE_TICKS * interval}
     # Once a period: the next fall waits for the period.
     assert tick(state, {"64": 500.0}, 1000.0 + 4 * core.EXPLORE_TICKS * interval) is None
     assert tick(state, {"4": 500.0}, 1000.0 + 5 * core.EXPLORE_TICKS * interval) is None

@@ -129,6 +129,9 @@ class ResourceState:
     # Buckets turned off while their plain step was not measured in the window: the gain that turned
     # them off compared measured speculative steps with a remembered plain step (k_table).
     off_on_estimate: set[str] = field(default_factory=set)
+    # Off buckets a canary measures the drafter's acceptance in again (a remeasure explore), to when the
+    # canary ends: a measurement on the traffic of now, not noise, so their cooldown is waived (k_table).
+    remeasured_until: dict[str, float] = field(default_factory=dict)
     last_switch_at: float = -math.inf
     canary: Canary | None = None
     canary_round: int = 0
@@ -701,6 +704,7 @@ def k_table(
     speculation: SpeculationSpec,
     now: float,
     off_on_estimate: Collection[str] = (),
+    remeasured_until: Mapping[str, float] | None = None,
 ) -> tuple[policy.TableUpdate, int | None]:
     """K per bucket for the drafter in force, with hysteresis against the table in force, and the cliff
     (the batch size from which no K pays). Where no speculative step of this engine and drafter was ever
@@ -710,12 +714,18 @@ def k_table(
     A bucket turned off on a remembered plain step (`off_on_estimate`) whose plain step is measured now
     may turn on again within the cooldown: the cooldown keeps noise from flapping a bucket, and this is
     an estimate corrected. A plain step remembered from another time (shorter contexts, say) under-predicts
-    one measured now, and the gain of every K with it."""
+    one measured now, and the gain of every K with it. So may a bucket a canary measured acceptance in
+    again (`remeasured_until`), while the acceptance in hand is fresh, until the tick after the canary
+    ends: the load fell and what turned it off was measured on the traffic before; the cooldown held the
+    local fleet's batch 1 off 23 s after its canary had measured the quiet phase's acceptance."""
     bounds = tuple(speculation.batch_buckets)
     choices = policy.choose_table(acc, cost, bounds, max_k)
     hysteresis = policy.Hysteresis(speculation.min_gain, speculation.cooldown_seconds)
     capped = {label: min(current.get(label, 0), max_k) for label in bucket_labels(bounds)}
     waived = {label for label in off_on_estimate if cost.measured_plain_now(label)}
+    if acc.source in FRESH_ACCEPTANCE:
+        interval = speculation.evaluation_interval_seconds
+        waived |= {label for label, until in (remeasured_until or {}).items() if now < until + interval}
     update = policy.update_table(capped, choices, hysteresis, flipped_at, now, waived)
     if speculation.exploration_share > 0 and not cost.any_spec_measured:
         held = [label for label, k in update.k_by_bucket.items() if k > 0 and capped[label] == 0]
@@ -1246,7 +1256,7 @@ def _switch_drafter(
         state.engine_drafter = best.name if best.placement == "colocated" else None
     state.drafter = best.name
     state.last_switch_at = now
-    state.flipped_at, state.off_on_estimate = {}, set()
+    state.flipped_at, state.off_on_estimate, state.remeasured_until = {}, set(), {}
     state.k_by_bucket = {label: 0 for label in bucket_labels(view.spec.speculation.batch_buckets)}
     return rollout
 
@@ -1271,6 +1281,7 @@ def _retune(
         view.spec.speculation,
         now,
         state.off_on_estimate,
+        state.remeasured_until,
     )
     state.k_by_bucket = update.k_by_bucket
     state.flipped_at.update(update.flipped)
@@ -1279,6 +1290,12 @@ def _retune(
         label
         for label in state.off_on_estimate | set(update.flipped)
         if update.k_by_bucket[label] == 0 and not cost.measured_plain_now(label)
+    }
+    interval = view.spec.speculation.evaluation_interval_seconds
+    state.remeasured_until = {
+        label: until
+        for label, until in state.remeasured_until.items()
+        if update.k_by_bucket[label] == 0 and now < until + interval
     }
     return update.reasons
 
@@ -1292,6 +1309,10 @@ def _started(state: ResourceState, canary: Canary, now: float) -> None:
         state.last_trial_at[canary.drafter] = now
     else:
         state.last_explore_at = now
+    if canary.remeasure:
+        for label, k in canary.k_by_bucket.items():
+            if k > 0 and state.k_by_bucket.get(label, 0) == 0:
+                state.remeasured_until[label] = canary.until
 
 
 def _summary(state: ResourceState, acc: policy.Acceptance) -> str:
