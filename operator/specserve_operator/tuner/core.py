@@ -716,8 +716,9 @@ def k_table(
     an estimate corrected. A plain step remembered from another time (shorter contexts, say) under-predicts
     one measured now, and the gain of every K with it. So may a bucket a canary measured acceptance in
     again (`remeasured_until`), while the acceptance in hand is fresh, until the tick after the canary
-    ends: the load fell and what turned it off was measured on the traffic before; the cooldown held the
-    local fleet's batch 1 off 23 s after its canary had measured the quiet phase's acceptance."""
+    ends: what turned it off was measured on traffic that has gone (the load fell, or the acceptance in
+    hand is stale); the cooldown held the local fleet's batch 1 off 23 s after its canary had measured
+    the quiet phase's acceptance."""
     bounds = tuple(speculation.batch_buckets)
     choices = policy.choose_table(acc, cost, bounds, max_k)
     hysteresis = policy.Hysteresis(speculation.min_gain, speculation.cooldown_seconds)
@@ -1295,7 +1296,7 @@ def _retune(
     state.remeasured_until = {
         label: until
         for label, until in state.remeasured_until.items()
-        if update.k_by_bucket[label] == 0 and now < until + interval
+        if update.k_by_bucket.get(label) == 0 and now < until + interval
     }
     return update.reasons
 
