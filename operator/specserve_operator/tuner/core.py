@@ -725,8 +725,11 @@ def k_table(
     capped = {label: min(current.get(label, 0), max_k) for label in bucket_labels(bounds)}
     waived = {label for label in off_on_estimate if cost.measured_plain_now(label)}
     if acc.source in FRESH_ACCEPTANCE:
-        interval = speculation.evaluation_interval_seconds
-        waived |= {label for label, until in (remeasured_until or {}).items() if now < until + interval}
+        waived |= {
+            label
+            for label, until in (remeasured_until or {}).items()
+            if _remeasure_open(until, now, speculation)
+        }
     update = policy.update_table(capped, choices, hysteresis, flipped_at, now, waived)
     if speculation.exploration_share > 0 and not cost.any_spec_measured:
         held = [label for label, k in update.k_by_bucket.items() if k > 0 and capped[label] == 0]
@@ -737,6 +740,12 @@ def k_table(
             reasons.append(f"buckets {', '.join(held)} wait for a canary's measurement (prior only)")
             update = policy.TableUpdate(table, flipped, reasons)
     return update, policy.cliff_batch_size(acc, cost, bounds, max_k, speculation.min_gain)
+
+
+def _remeasure_open(until: float, now: float, speculation: SpeculationSpec) -> bool:
+    """Whether a remeasure canary that ends at `until` still waives its bucket's cooldown: to the tick
+    after it ends, which reads its last interval."""
+    return now < until + speculation.evaluation_interval_seconds
 
 
 def next_canary(
@@ -1292,11 +1301,10 @@ def _retune(
         for label in state.off_on_estimate | set(update.flipped)
         if update.k_by_bucket[label] == 0 and not cost.measured_plain_now(label)
     }
-    interval = view.spec.speculation.evaluation_interval_seconds
     state.remeasured_until = {
         label: until
         for label, until in state.remeasured_until.items()
-        if update.k_by_bucket.get(label) == 0 and now < until + interval
+        if update.k_by_bucket.get(label) == 0 and _remeasure_open(until, now, view.spec.speculation)
     }
     return update.reasons
 
