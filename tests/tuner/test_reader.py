@@ -258,6 +258,11 @@ def test_prometheus_slow(stub_prometheus) -> None:
         b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"pod":"p"},"value":[0,"1"]}]}}',
         b'{"status":"success","data":{"resultType":"scalar","result":[0,"1"]}}',
         b'{"status":"success"}',
+        # a label that is not a string, a sample without a value, a value that is not [time, "number"]
+        b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"m":"steps","pod":7},"value":[0,"1"]}]}}',
+        b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"m":"steps"}}]}}',
+        b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"m":"steps"},"value":[0,1]}]}}',
+        b"[]",
     ],
 )
 def test_prometheus_garbage(stub_prometheus, body: bytes) -> None:

@@ -8,11 +8,11 @@ specserve_engine.metric_names, the single source shared with the plugin, the das
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 import requests
 from prometheus_client import Counter
 
@@ -135,47 +135,62 @@ class MetricsUnavailable(Exception):
         self.reason = reason
 
 
-def _vector_of(url: str, response: requests.Response) -> object:
-    """The `data.result` of a query's answer; an error answer or one that is not JSON raises
+class _Sample(msgspec.Struct):
+    metric: dict[str, str]
+    value: tuple[float, str]  # (time, the value as Prometheus writes it: "1.5", "NaN", "+Inf")
+
+
+class _Data(msgspec.Struct, rename="camel"):
+    result_type: str
+    result: list[_Sample]
+
+
+class _Answer(msgspec.Struct, rename="camel"):
+    status: str = ""
+    data: _Data | None = None
+    error_type: str = "error"
+    error: str = ""
+
+
+# Typed decoding: a large fleet's answer is hundreds of thousands of samples, and decoding them straight
+# into structs checks their shape in C, where json.loads and a check per sample took a third longer.
+_ANSWER = msgspec.json.Decoder(_Answer)
+
+
+def _vector_of(url: str, response: requests.Response) -> list[_Sample]:
+    """The samples of a query's answer; an error answer, or one that is not an instant vector, raises
     MetricsUnavailable."""
     try:
-        body = json.loads(response.content)
-    except ValueError as exc:  # not JSON, or not UTF-8
+        answer = _ANSWER.decode(response.content)
+    except msgspec.DecodeError as exc:  # not JSON, not UTF-8, or JSON of another shape
         if response.status_code != 200:
             raise MetricsUnavailable("PrometheusError", f"{url}: HTTP {response.status_code}") from exc
-        raise MetricsUnavailable("PrometheusGarbage", f"{url}: not JSON: {exc}"[:500]) from exc
-    if not isinstance(body, dict):
-        raise MetricsUnavailable("PrometheusGarbage", f"{url}: expected an object, got {type(body).__name__}")
-    if response.status_code != 200 or body.get("status") != "success":
+        raise MetricsUnavailable("PrometheusGarbage", f"{url}: not an instant vector: {exc}"[:500]) from exc
+    if response.status_code != 200 or answer.status != "success":
         # Prometheus's own answer to a bad or failed query: its errorType and error say what went wrong.
-        what = f"{body.get('errorType', 'error')}: {body.get('error', '')}"
+        what = f"{answer.error_type}: {answer.error}"
         raise MetricsUnavailable("PrometheusError", f"{url}: HTTP {response.status_code}, {what}"[:500])
-    data = body.get("data")
-    if not isinstance(data, dict) or data.get("resultType") != "vector":
-        kind = data.get("resultType") if isinstance(data, dict) else type(data).__name__
+    if answer.data is None or answer.data.result_type != "vector":
+        kind = answer.data.result_type if answer.data is not None else "no data"
         raise MetricsUnavailable("PrometheusGarbage", f"{url}: expected a vector, got {kind}")
-    return data.get("result")
+    return answer.data.result
 
 
-def parse_vector(result: object) -> Iterator[observations.Row]:
-    """Rows from an instant-vector result, one at a time; anything else raises MetricsUnavailable.
+def parse_vector(result: list[_Sample]) -> Iterator[observations.Row]:
+    """Rows from an instant vector's samples, one at a time; a value that is not a number, or a sample
+    without its kind, raises MetricsUnavailable.
 
-    A large fleet's answer is hundreds of thousands of samples: each row is folded as it is made and the
-    decoded labels are used in place, so that no second copy of the answer lives on for the garbage
-    collector to walk again."""
-    if not isinstance(result, list):
-        raise MetricsUnavailable("PrometheusGarbage", f"expected a vector, got {type(result).__name__}")
-    for item in result:
+    Each row is folded as it is made and the decoded labels are used in place, so that no second copy of
+    the answer lives on for the garbage collector to walk again."""
+    for sample in result:
+        labels = sample.metric
         try:
-            labels = item["metric"]
-            value = float(item["value"][1])
-            kind = labels.pop("m", None)
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise MetricsUnavailable(
-                "PrometheusGarbage", f"malformed sample {str(item)[:200]}: {exc!r}"
-            ) from None
+            value = float(sample.value[1])
+        except ValueError:
+            raise MetricsUnavailable("PrometheusGarbage", f"malformed sample {str(sample)[:200]}") from None
+        kind = labels.pop("m", None)
         if kind is None:
-            raise MetricsUnavailable("PrometheusGarbage", f"sample without a kind: {str(item)[:200]}")
+            raise MetricsUnavailable("PrometheusGarbage", f"sample without a kind: {str(sample)[:200]}")
         yield kind, labels, value
 
 
