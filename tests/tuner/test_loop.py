@@ -4,6 +4,7 @@ reconciling what pods run, concurrency, tokens, forgetting, faults, status."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import time
 import types
@@ -322,3 +323,21 @@ async def test_a_resource_that_fails_to_decide_does_not_stop_the_others(harness,
     ticks = await controller.decide_all([bad, view])
     assert ticks[bad.key].decision is None and ticks[bad.key].error
     assert ticks[view.key].decision is not None and ticks[view.key].error is None
+
+
+def test_the_state_rolled_back_to_is_not_changed_by_the_decision_that_failed(spec_factory) -> None:
+    """`ResourceState.copy` (what a failed decision rolls back to) shares no container with the state
+    the decision goes on to change."""
+    state = core.ResourceState.initial(spec_factory())
+    state.canary = core.Canary("pod-0", "draft", {"1": 2}, 10.0, "explore")
+    before = copy.deepcopy(state)
+    rollback = state.copy()
+    assert rollback == before
+    for f in dataclasses.fields(state):
+        container = getattr(state, f.name)
+        if isinstance(container, dict):
+            container["changed"] = 0
+        elif isinstance(container, set):
+            container.add("changed")
+    state.canary = None
+    assert rollback == before

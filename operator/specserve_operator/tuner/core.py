@@ -153,6 +153,17 @@ class ResourceState:
     # drafter → (its last measured acceptance, when): used while it makes no drafts (every bucket off)
     acceptance_seen: dict[str, tuple[policy.Acceptance, float]] = field(default_factory=dict)
 
+    def copy(self) -> ResourceState:
+        """A copy to roll back to, its containers copied one level: what they hold is never changed in
+        place (numbers, strings, tuples, frozen Acceptances; a Canary is replaced, not edited), and a
+        large fleet copies every resource's state each tick, where deepcopy walked every item."""
+        out = dataclasses.replace(self)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict | set):
+                setattr(out, f.name, value.copy())
+        return out
+
     def switched_pods(self, now: float, window_s: float) -> set[str]:
         """Pods whose drafter changed within the metrics window: where the engine's step counters carry
         no drafter label (an engine from before it), their speculative step times mix two drafters and

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import gc
 import logging
@@ -318,7 +317,7 @@ class FleetController:
             return ResourceTick(None, metrics_error=exc)
         advising = view.spec.speculation.mode == "advise"
         engine_in_pods = state.engine_drafter
-        before = copy.deepcopy(state)
+        before = state.copy()
         try:
             decision = core.decide(
                 _without_canaries(view) if advising else view,
