@@ -1363,14 +1363,15 @@ def _finish(
             state.pod_drafter[pod] = running if running[0] == pods[pod].drafter else (pods[pod].drafter, now)
     for pod in set(state.pod_drafter) - set(view.pods):
         del state.pod_drafter[pod]
+    # Only the draft counters are summed: the per-K and per-position counts are not reported.
     fleet = BucketStats()
     by_bucket: dict[str, BucketStats] = {}
     for obs in observations:
         for label, s in obs.by_drafter.get(state.drafter, {}).items():
-            stats_of(by_bucket, label).add(s)
-            fleet.add(s)
+            _add_drafts(stats_of(by_bucket, label), s)
+            _add_drafts(fleet, s)
         if not obs.by_drafter and obs.fallback is not None:
-            fleet.add(obs.fallback)
+            _add_drafts(fleet, obs.fallback)
     utils = [o.gpu_util for o in observations if o.gpu_util is not None]
     pod_batch = {o.pod: o.running for o in observations}
     warnings = dict(outcome.warnings)
@@ -1401,6 +1402,12 @@ def _finish(
         push=outcome.push,
         warnings=warnings,
     )
+
+
+def _add_drafts(into: BucketStats, s: BucketStats) -> None:
+    into.drafts += s.drafts
+    into.draft_tokens += s.draft_tokens
+    into.accepted += s.accepted
 
 
 def speculating(target: PodTarget, batch: float | None, bounds: Iterable[int]) -> bool | None:

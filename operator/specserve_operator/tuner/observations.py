@@ -187,17 +187,12 @@ class PodObservation:
     def has_engine_data(self) -> bool:
         return bool(self.buckets) or self.fallback is not None
 
-    def total(self) -> BucketStats:
-        out = BucketStats()
-        for b in self.buckets.values():
-            out.add(b)
-        return out
-
     @property
     def mal(self) -> float | None:
-        total = self.total()
-        if total.drafts > 0:
-            return total.mal
+        """Mean accepted length over the pod's buckets, else from vLLM's own counters."""
+        drafts = sum(b.drafts for b in self.buckets.values())
+        if drafts > 0:
+            return 1.0 + sum(b.accepted for b in self.buckets.values()) / drafts
         return self.fallback.mal if self.fallback else None
 
 
