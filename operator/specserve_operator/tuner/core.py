@@ -1368,10 +1368,10 @@ def _finish(
     by_bucket: dict[str, BucketStats] = {}
     for obs in observations:
         for label, s in obs.by_drafter.get(state.drafter, {}).items():
-            _add_drafts(stats_of(by_bucket, label), s)
-            _add_drafts(fleet, s)
+            stats_of(by_bucket, label).add_drafts(s)
+            fleet.add_drafts(s)
         if not obs.by_drafter and obs.fallback is not None:
-            _add_drafts(fleet, obs.fallback)
+            fleet.add_drafts(obs.fallback)
     utils = [o.gpu_util for o in observations if o.gpu_util is not None]
     pod_batch = {o.pod: o.running for o in observations}
     warnings = dict(outcome.warnings)
@@ -1402,12 +1402,6 @@ def _finish(
         push=outcome.push,
         warnings=warnings,
     )
-
-
-def _add_drafts(into: BucketStats, s: BucketStats) -> None:
-    into.drafts += s.drafts
-    into.draft_tokens += s.draft_tokens
-    into.accepted += s.accepted
 
 
 def speculating(target: PodTarget, batch: float | None, bounds: Iterable[int]) -> bool | None:

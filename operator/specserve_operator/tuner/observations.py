@@ -134,6 +134,12 @@ class BucketStats:
             _merge(self.steps_by_k, other.steps_by_k)
             _merge(self.seconds_by_k, other.seconds_by_k)
 
+    def add_drafts(self, other: BucketStats) -> None:
+        """Add only the draft counters (drafts, draft tokens, accepted tokens): what MAL is read from."""
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted += other.accepted
+
     def plain_side(self) -> BucketStats:
         """A copy of the plain steps' counters only."""
         return BucketStats(self.steps_plain, self.seconds_plain, self.tokens_plain)
@@ -426,10 +432,7 @@ def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
                 obs.dropped += 1
                 b.accepted_pos, b.proposed_pos = {}, {}
             if label in obs.buckets:
-                total = obs.buckets[label]
-                total.drafts += b.drafts
-                total.draft_tokens += b.draft_tokens
-                total.accepted += b.accepted
+                obs.buckets[label].add_drafts(b)
     for name in [n for n, b in obs.shadow.items() if _positions_contradiction(b)]:
         snap.drop(DROP_INCONSISTENT)
         obs.dropped += 1
