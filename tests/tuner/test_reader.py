@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 
 from specserve_engine import metric_names
 from specserve_operator.tuner import core, observations
+from specserve_operator.tuner import reader as reader_module
 from specserve_operator.tuner.policy import expected_tokens
 from specserve_operator.tuner.reader import MetricsUnavailable, PrometheusReader, fleet_queries
 from specserve_testing.prometheus import openmetrics_phases
@@ -262,6 +263,7 @@ def test_prometheus_slow(stub_prometheus) -> None:
         b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"m":"steps","pod":7},"value":[0,"1"]}]}}',
         b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"m":"steps"}}]}}',
         b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"m":"steps"},"value":[0,1]}]}}',
+        b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{"m":"steps"},"value":[0,"1",2]}]}}',
         b"[]",
     ],
 )
@@ -312,6 +314,15 @@ def test_rows_rejected_at_the_boundary_are_counted(stub_prometheus) -> None:
 
 def _dropped(reason: str) -> float:
     return REGISTRY.get_sample_value(metric_names.OPERATOR_DROPPED_ROWS.series[0], {"reason": reason}) or 0.0
+
+
+def test_an_answers_samples_are_not_tracked_by_the_garbage_collector() -> None:
+    """Hundreds of thousands of them live through a large fleet's read: tracked, every collection in the
+    tick walked them (docs/policy.md, "How well it does (simulated)", the scale tick)."""
+    raw = b'{"metric":{"m":"steps"},"value":[0,"1"]}'
+    body = b'{"status":"success","data":{"resultType":"vector","result":[' + raw + b"]}}"
+    (sample,) = reader_module._ANSWER.decode(body).data.result
+    assert not any(gc.is_tracked(x) for x in (sample, sample.metric, sample.value))
 
 
 def test_the_reader_leaves_the_garbage_collector_alone(stub_prometheus) -> None:

@@ -135,9 +135,17 @@ class MetricsUnavailable(Exception):
         self.reason = reason
 
 
-class _Sample(msgspec.Struct):
+# Not tracked by the garbage collector (gc=False: they hold only strings and numbers, so no cycles): a
+# large fleet's answer is hundreds of thousands of samples alive at once, and tracked they made every
+# collection during the tick walk them.
+class _Value(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    time: float
+    text: str  # the value as Prometheus writes it: "1.5", "NaN", "+Inf"
+
+
+class _Sample(msgspec.Struct, gc=False):
     metric: dict[str, str]
-    value: tuple[float, str]  # (time, the value as Prometheus writes it: "1.5", "NaN", "+Inf")
+    value: _Value
 
 
 class _Data(msgspec.Struct, rename="camel"):
@@ -185,7 +193,7 @@ def parse_vector(result: list[_Sample]) -> Iterator[observations.Row]:
     for sample in result:
         labels = sample.metric
         try:
-            value = float(sample.value[1])
+            value = float(sample.value.text)
         except ValueError:
             raise MetricsUnavailable("PrometheusGarbage", f"malformed sample {str(sample)[:200]}") from None
         kind = labels.pop("m", None)
