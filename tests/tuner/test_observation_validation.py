@@ -209,6 +209,19 @@ def test_zero_step_seconds_are_dropped_instead_of_dividing_by_zero(
         (observations.RECENT_STEPS, {"bucket": "4"}, -3.0, observations.DROP_NEGATIVE),
         (observations.ACCEPTED_POS, {"drafter": "d", "position": "²"}, 1.0, observations.DROP_LABELS),
         (observations.ACCEPTED_POS, {"drafter": "d", "position": "99"}, 1.0, observations.DROP_IMPLAUSIBLE),
+        (observations.ACCEPTED_POS, {"drafter": "d", "position": "16"}, 1.0, observations.DROP_IMPLAUSIBLE),
+        (
+            observations.STEPS,
+            {"bucket": "4", "speculating": "true", "k": "4x"},
+            1.0,
+            observations.DROP_LABELS,
+        ),
+        (
+            observations.STEPS,
+            {"bucket": "4", "speculating": "true", "k": "17"},
+            1.0,
+            observations.DROP_IMPLAUSIBLE,
+        ),
         ("something_else", {}, 1.0, observations.DROP_KIND),
     ],
 )
@@ -216,6 +229,28 @@ def test_each_rejected_row_is_counted_by_reason(kind, labels, value, reason) -> 
     snap = build_snapshot([(kind, {"namespace": NS, "pod": "p", **labels}, value)], 300.0)
     assert snap.dropped == {reason: 1}
     assert not any(obs.has_engine_data for obs in snap.pods.values())
+
+
+def test_k_and_position_labels_fold_by_their_number_however_written() -> None:
+    """The engine writes "4" and "1"; a K or position written "04" or "01" is the same number (parsed,
+    not looked up among the engine's spellings), and the largest of each is accepted."""
+    spec = {"namespace": NS, "pod": "p", "bucket": "4", "speculating": "true", "drafter": "d"}
+    pos = {"namespace": NS, "pod": "p", "drafter": "d"}
+    rows = [
+        (observations.STEPS, {**spec, "k": "4"}, 100.0),
+        (observations.STEPS, {**spec, "k": "04"}, 50.0),
+        (observations.STEPS, {**spec, "k": "16"}, 10.0),
+        (observations.STEP_SECONDS, {**spec, "k": "4"}, 1.0),
+        (observations.STEP_SECONDS, {**spec, "k": "16"}, 0.2),
+        (observations.PROPOSED_POS, {**pos, "position": "1"}, 10.0),
+        (observations.PROPOSED_POS, {**pos, "position": "01"}, 5.0),
+        (observations.PROPOSED_POS, {**pos, "position": "15"}, 2.0),
+    ]
+    snap = build_snapshot(rows, 300.0)
+    assert snap.dropped == {}
+    stats = snap.pods[(NS, "p")].by_drafter["d"]
+    assert stats["4"].steps_by_k == {4: 150.0, 16: 10.0}
+    assert stats[observations.ALL_BUCKETS].proposed_pos == {1: 15.0, 15: 2.0}
 
 
 def test_a_policy_version_that_is_not_a_small_decimal_is_ignored() -> None:

@@ -77,6 +77,10 @@ COUNTER_SLACK = 1e-9
 # intervals), 12 s of the local fleet's 60 (two and a half of its 5 s intervals).
 ACCEPTANCE_WINDOW_SHARE = 0.2
 _DECIMAL = re.compile(r"[0-9]{1,19}")
+# The K and position labels as the engine writes them, parsed once: a large fleet's tick has ~10^5 rows
+# with one, and a lookup here costs a fraction of a regular expression and an int() per row.
+_KS = {str(k): k for k in range(MAX_SPECULATIVE_TOKENS + 1)}
+_POSITIONS = {str(p): p for p in range(MAX_SPECULATIVE_TOKENS)}
 
 
 def acceptance_window_of(window_s: float) -> float:
@@ -243,6 +247,16 @@ _KINDS = frozenset(
         RECENT_STEPS,
     }
 )
+# Per kind, which checks its rows need (bucket, K, position, drafter): one lookup per row, not a set each.
+_RULES = {
+    kind: (
+        kind in _BUCKET_KINDS,
+        kind in _ENGINE_KINDS,
+        kind in _POSITION_KINDS | _SHADOW_KINDS,
+        kind in _SHADOW_KINDS,
+    )
+    for kind in _KINDS
+}
 
 
 def build_snapshot(rows: Iterable[Row], window_s: float) -> FleetSnapshot:
@@ -319,25 +333,30 @@ def _untaint(obs: PodObservation, tainted: Iterable[tuple]) -> None:
 
 def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
     """Why one row cannot be used on its own, or None."""
-    if kind not in _KINDS:
+    rules = _RULES.get(kind)
+    if rules is None:
         return DROP_KIND
+    bucketed, engine, positioned, shadow = rules
     if not labels.get("namespace") or not labels.get("pod"):
         return DROP_LABELS
-    if kind in _BUCKET_KINDS and not labels.get("bucket"):
+    if bucketed and not labels.get("bucket"):
         return DROP_LABELS
-    if kind in _ENGINE_KINDS and labels.get("k"):
-        if not _DECIMAL.fullmatch(labels["k"]):
-            return DROP_LABELS
-        if int(labels["k"]) > MAX_SPECULATIVE_TOKENS:
-            return DROP_IMPLAUSIBLE
-    if kind in _SHADOW_KINDS and not labels.get("drafter"):
+    if engine:
+        k = labels.get("k")
+        if k and k not in _KS:  # not as the engine writes it: parse it to tell a typo from a long draft
+            if not _DECIMAL.fullmatch(k):
+                return DROP_LABELS
+            if int(k) > MAX_SPECULATIVE_TOKENS:
+                return DROP_IMPLAUSIBLE
+    if shadow and not labels.get("drafter"):
         return DROP_LABELS
-    if kind in _POSITION_KINDS or kind in _SHADOW_KINDS:
+    if positioned:
         position = labels.get("position", "")
-        if not _DECIMAL.fullmatch(position):
-            return DROP_LABELS
-        if int(position) >= MAX_SPECULATIVE_TOKENS:
-            return DROP_IMPLAUSIBLE
+        if position not in _POSITIONS:
+            if not _DECIMAL.fullmatch(position):
+                return DROP_LABELS
+            if int(position) >= MAX_SPECULATIVE_TOKENS:
+                return DROP_IMPLAUSIBLE
     if not math.isfinite(value):  # NaN from a 0/0 in PromQL, ±Inf from a broken exporter
         return DROP_NON_FINITE
     if value < 0:  # a counter's increase never is; a reset is already handled by increase()
@@ -345,6 +364,12 @@ def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
     if value > MAX_VALUE or (kind == GPU_UTIL and value > 100.0):
         return DROP_IMPLAUSIBLE
     return None
+
+
+def _number(label: str, parsed: dict[str, int]) -> int:
+    """A K or position label that _row_problem accepted, as a number."""
+    n = parsed.get(label)
+    return int(label) if n is None else n
 
 
 def _drafter_stats(obs: PodObservation, drafter: str, bucket: str) -> BucketStats:
@@ -365,8 +390,8 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
         if drafter:
             # Speculative steps of one drafter: its step times, even on a pod that switched drafters.
             targets = (targets[0], _drafter_stats(obs, drafter, bucket))
-        k = int(labels.get("k") or 0)
-        by_k = _BY_K.get(kind) if spec and k > 0 else None
+        k = _number(labels.get("k") or "0", _KS) if spec else 0
+        by_k = _BY_K.get(kind) if k > 0 else None
         for b in targets:
             setattr(b, attr, getattr(b, attr) + value)
             if by_k is not None:
@@ -382,12 +407,12 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
         drafter = labels.get("drafter", "")
         b = _drafter_stats(obs, drafter, bucket or ALL_BUCKETS)
         target = b.accepted_pos if kind == ACCEPTED_POS else b.proposed_pos
-        pos = int(labels["position"])
+        pos = _number(labels["position"], _POSITIONS)
         target[pos] = target.get(pos, 0.0) + value
     elif kind in _SHADOW_KINDS:
         b = stats_of(obs.shadow, labels["drafter"])
         target = b.accepted_pos if kind == SHADOW_ACCEPTED_POS else b.proposed_pos
-        pos = int(labels["position"])
+        pos = _number(labels["position"], _POSITIONS)
         target[pos] = target.get(pos, 0.0) + value
     elif kind == POLICY_INFO:
         if value > 0:
