@@ -507,7 +507,8 @@ def ceiling_gain(cost: CalibratedCost, label: str, max_k: int) -> float:
 
 def _best_of(gains: tuple[float, ...]) -> BucketChoice:
     """The K (1-based) with the highest gain, the smallest K among equals."""
-    k = max(range(1, len(gains) + 1), key=lambda i: (round(gains[i - 1], 12), -i))
+    rounded = [round(g, 12) for g in gains]  # a tie within rounding goes to the smaller K
+    k = rounded.index(max(rounded)) + 1
     return BucketChoice(k, gains[k - 1], gains)
 
 
