@@ -265,6 +265,10 @@ class FleetController:
             cached = self._reads.get(url)
             if cached is not None and now - cached.at < self.max_age_s:
                 return cached
+            # The expired read goes (the cache's reference and this frame's) before the next one is made:
+            # held while its successor is folded, a large fleet's snapshot would add to the peak memory.
+            self._reads.pop(url, None)
+            del cached
             backoff = self._backoff.setdefault(url, Backoff())
             if now < backoff.retry_at and backoff.error is not None:
                 raise backoff.last_error()
