@@ -232,6 +232,12 @@ _POSITION_KINDS = frozenset((ACCEPTED_POS, PROPOSED_POS))
 _SHADOW_KINDS = frozenset((SHADOW_ACCEPTED_POS, SHADOW_PROPOSED_POS))
 _BUCKET_KINDS = frozenset((*_ENGINE_KINDS, *_SPEC_KINDS, RECENT_STEPS))  # rows per batch-size bucket
 _BY_K = {STEPS: "steps_by_k", STEP_SECONDS: "seconds_by_k"}  # the engine counters also kept per K
+# A bucket's counters of each side, plain then speculative (indexed by `speculating`), by attribute name:
+# named once, since ~10^5 buckets a tick are checked.
+_SIDES = (("steps_plain", "seconds_plain", "tokens_plain"), ("steps_spec", "seconds_spec", "tokens_spec"))
+_ENGINE_ATTRS = tuple(
+    {kind: f"{attr}_{side}" for kind, attr in _ENGINE_KINDS.items()} for side in ("plain", "spec")
+)
 _FALLBACK_KINDS = {VLLM_DRAFTS: "drafts", VLLM_DRAFT_TOKENS: "draft_tokens", VLLM_ACCEPTED: "accepted"}
 _KINDS = frozenset(
     {
@@ -310,11 +316,10 @@ def _untaint(obs: PodObservation, tainted: Iterable[tuple]) -> None:
         what = taint[0]
         if what == "steps":
             bucket, spec = taint[1], taint[2]
-            side = "spec" if spec else "plain"
             stats = [obs.buckets.get(bucket)] + [b.get(bucket) for b in obs.by_drafter.values()]
             for b in (s for s in stats if s is not None):
-                for attr in ("steps", "seconds", "tokens"):
-                    setattr(b, f"{attr}_{side}", 0.0)
+                for attr in _SIDES[spec]:
+                    setattr(b, attr, 0.0)
                 if spec:
                     b.steps_by_k, b.seconds_by_k = {}, {}
         elif what == "drafts":
@@ -384,7 +389,7 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
     bucket = labels.get("bucket", "")
     if kind in _ENGINE_KINDS:
         spec = labels.get("speculating") == "true"
-        attr = _ENGINE_KINDS[kind] + ("_spec" if spec else "_plain")
+        attr = _ENGINE_ATTRS[spec][kind]
         targets = (obs.bucket(bucket),)
         drafter = labels.get("drafter") if spec else None
         if drafter:
@@ -485,16 +490,16 @@ def _step_time_fault(steps: float, seconds: float) -> str | None:
 def _check_steps(b: BucketStats, snap: FleetSnapshot) -> int:
     """Drop a bucket's plain or speculative step counters where they cannot be true; how many sides."""
     dropped = 0
-    for side in ("plain", "spec"):
-        steps, seconds = getattr(b, f"steps_{side}"), getattr(b, f"seconds_{side}")
+    for steps_attr, seconds_attr, tokens_attr in _SIDES:
+        steps, seconds = getattr(b, steps_attr), getattr(b, seconds_attr)
         if steps == seconds == 0:
             continue
         reason = _step_time_fault(steps, seconds)
         if reason is not None:
             snap.drop(reason)
             dropped += 1
-            for attr in ("steps", "seconds", "tokens"):
-                setattr(b, f"{attr}_{side}", 0.0)
+            for attr in (steps_attr, seconds_attr, tokens_attr):
+                setattr(b, attr, 0.0)
     if not (b.steps_by_k or b.seconds_by_k):
         return dropped
     if b.steps_spec == 0:
