@@ -428,9 +428,9 @@ async def _scale_ticks(url: str) -> tuple[list[float], list[float], int]:
 
 
 def scale() -> dict:
-    """The first tick and the steady ones after it (a running operator's; the slower of the two is the
-    goal's figure: the first builds every gauge and state, a steady one folds a new read while the last
-    one is still held)."""
+    """One round: the first tick and the steady ones after it (a running operator's). The first builds
+    every gauge and state; a steady one frees the last read and decides with the state of the ticks
+    before it. The slower of the two is the goal's figure."""
     stub = subprocess.Popen(
         [sys.executable, __file__, "--stub"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
