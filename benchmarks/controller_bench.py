@@ -4,7 +4,7 @@ check, and decision ticks over 1,000 resources × 8 pods against a stub Promethe
 tick and the steady ones after it).
 
     .venv/bin/python benchmarks/controller_bench.py            # everything (~28 minutes on 2 shared cores)
-    .venv/bin/python benchmarks/controller_bench.py --scale-only   # only the scale ticks, runs kept
+    .venv/bin/python benchmarks/controller_bench.py --scale-only   # only the scale ticks, runs kept (--help)
     .venv/bin/python benchmarks/controller_bench.py --scale    # one round of them (used internally)
 
 Per trace and truth: the best static table in hindsight (a sweep), then off, that table, the SGLang-style
@@ -571,7 +571,8 @@ def main() -> int:
     parser.add_argument(
         "--scale-only",
         action="store_true",
-        help="re-run only the scale ticks; the simulated runs in controller.json are kept",
+        help="re-run only the scale ticks and keep the simulated runs in controller.json: for a change "
+        "that decides nothing differently (a full run shows that: every run unchanged to the last digit)",
     )
     parser.add_argument("--stub", action="store_true", help="serve the stub Prometheus (used by --scale)")
     parser.add_argument(
