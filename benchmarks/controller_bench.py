@@ -427,6 +427,17 @@ async def _scale_ticks(url: str) -> tuple[list[float], list[float], int]:
     return walls, cpus, sum(r.queries for r in controller.readers.values())
 
 
+def _tick_figures(first: float, steady: float) -> dict:
+    """The fleet's size and its tick times; the goal's figure is the slower of the first and steady tick."""
+    return {
+        "resources": RESOURCES,
+        "pods_per_resource": PODS,
+        "tick_s": round(max(first, steady), 3),
+        "first_tick_s": round(first, 3),
+        "steady_tick_s": round(steady, 3),
+    }
+
+
 def scale() -> dict:
     """One round: the first tick and the steady ones after it (a running operator's). The first builds
     every gauge and state; a steady one frees the last read and decides with the state of the ticks
@@ -442,13 +453,8 @@ def scale() -> dict:
     finally:
         stub.terminate()
         stub.wait()
-    first, steady = walls[0], statistics.median(walls[1:])
     return {
-        "resources": RESOURCES,
-        "pods_per_resource": PODS,
-        "tick_s": round(max(first, steady), 3),
-        "first_tick_s": round(first, 3),
-        "steady_tick_s": round(steady, 3),
+        **_tick_figures(walls[0], statistics.median(walls[1:])),
         "ticks_s": [round(w, 3) for w in walls],
         "ticks_cpu_s": [round(c, 3) for c in cpus],
         "queries_per_tick": queries / len(walls),
@@ -471,14 +477,11 @@ def scale_rounds() -> dict:
             [sys.executable, __file__, "--scale"], check=True, capture_output=True, text=True
         ).stdout
         rounds.append(json.loads(out.strip().splitlines()[-1]))
-    first = statistics.median(r["first_tick_s"] for r in rounds)
-    steady = statistics.median(r["steady_tick_s"] for r in rounds)
     return {
-        "resources": RESOURCES,
-        "pods_per_resource": PODS,
-        "tick_s": round(max(first, steady), 3),
-        "first_tick_s": round(first, 3),
-        "steady_tick_s": round(steady, 3),
+        **_tick_figures(
+            statistics.median(r["first_tick_s"] for r in rounds),
+            statistics.median(r["steady_tick_s"] for r in rounds),
+        ),
         "queries_per_tick": max(r["queries_per_tick"] for r in rounds),
         "response_mb": rounds[0]["response_mb"],
         "rss_mb": max(r["rss_mb"] for r in rounds),
