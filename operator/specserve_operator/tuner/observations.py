@@ -200,9 +200,11 @@ class PodObservation:
     @property
     def mal(self) -> float | None:
         """Mean accepted length over the pod's buckets, else from vLLM's own counters."""
-        drafts = sum(b.drafts for b in self.buckets.values())
-        if drafts > 0:
-            return 1.0 + sum(b.accepted for b in self.buckets.values()) / drafts
+        total = BucketStats()
+        for b in self.buckets.values():
+            total.add_drafts(b)
+        if total.drafts > 0:
+            return total.mal
         return self.fallback.mal if self.fallback else None
 
 
@@ -232,12 +234,12 @@ _POSITION_KINDS = frozenset((ACCEPTED_POS, PROPOSED_POS))
 _SHADOW_KINDS = frozenset((SHADOW_ACCEPTED_POS, SHADOW_PROPOSED_POS))
 _BUCKET_KINDS = frozenset((*_ENGINE_KINDS, *_SPEC_KINDS, RECENT_STEPS))  # rows per batch-size bucket
 _BY_K = {STEPS: "steps_by_k", STEP_SECONDS: "seconds_by_k"}  # the engine counters also kept per K
-# A bucket's counters of each side, plain then speculative (indexed by `speculating`), by attribute name:
-# named once, since ~10^5 buckets a tick are checked.
-_SIDES = (("steps_plain", "seconds_plain", "tokens_plain"), ("steps_spec", "seconds_spec", "tokens_spec"))
+# A bucket's engine counters of each side, plain then speculative (indexed by `speculating`), by attribute
+# name, and by the row kind that adds to each: named once, since ~10^5 buckets a tick are checked.
 _ENGINE_ATTRS = tuple(
     {kind: f"{attr}_{side}" for kind, attr in _ENGINE_KINDS.items()} for side in ("plain", "spec")
 )
+_SIDES = tuple(tuple(attrs.values()) for attrs in _ENGINE_ATTRS)  # (steps, seconds, tokens) of each side
 _FALLBACK_KINDS = {VLLM_DRAFTS: "drafts", VLLM_DRAFT_TOKENS: "draft_tokens", VLLM_ACCEPTED: "accepted"}
 _KINDS = frozenset(
     {
