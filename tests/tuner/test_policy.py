@@ -7,6 +7,8 @@ import math
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specserve_operator.tuner import costmodel
 from specserve_operator.tuner import policy as tuner_policy
@@ -264,6 +266,44 @@ def test_best_k_maximises_goodput_and_falls_with_batch() -> None:
     assert small.gain > 2.0 and small.k >= 4
     assert large.gain < small.gain and large.k < small.k
     assert small.gain == pytest.approx(max(small.gains))
+
+
+@given(
+    st.lists(st.floats(0.5, 4.0), min_size=1, max_size=8),
+    st.lists(st.sampled_from((0.0, 1e-13, 4e-13, 6e-13, 2e-12, -3e-13)), min_size=8, max_size=8),
+)
+def test_best_of_picks_the_smallest_k_among_gains_equal_to_twelve_places(
+    gains: list[float], nudges: list[float]
+) -> None:
+    """Near-ties (gains a few 1e-13 apart) go to the smaller K exactly as rounding to 12 places says."""
+    near_ties = tuple(gains[0] + d for d in nudges) + tuple(gains)
+    for candidate in (tuple(gains), near_ties):
+        rounded = [round(g, 12) for g in candidate]
+        choice = tuner_policy._best_of(candidate)
+        assert choice.k == rounded.index(max(rounded)) + 1
+        assert choice.gain == candidate[choice.k - 1]
+
+
+@pytest.mark.parametrize("batch", [None, 3.0, 100.0])
+def test_best_k_prices_every_k_at_its_step_time(batch: float | None) -> None:
+    """best_k reads a bucket's step parts in one lookup: the same gains as each K's step_s gives."""
+    p = prior("ngram")
+    cost = tuner_policy.CalibratedCost(
+        p, {"4": measured_at(p, 3, 2.5), "128": measured_at(p, 100, 1.5)}, BOUNDS
+    )
+    acc = replace(flat_acceptance(0.7), proposal_rate=0.6)
+    for label in ("4", "128", "+Inf"):
+        tokens = acc.step_tokens_by_k(5)
+        t0 = cost.step_s(label, 0, batch)
+        expected = tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch, 0.6) for k in range(1, 6))
+        assert tuner_policy.best_k(acc, cost, label, 5, batch).gains == expected
+
+
+def test_step_tokens_are_memoised_per_max_k() -> None:
+    acc = replace(flat_acceptance(0.5), proposal_rate=0.5)
+    assert acc.step_tokens_by_k(2) == (1.25, 1.375)
+    assert acc.step_tokens_by_k(4) == (1.25, 1.375, 1.4375, 1.46875)
+    assert acc.step_tokens_by_k(2) == (1.25, 1.375)
 
 
 def test_high_acceptance_pays_far_poor_acceptance_does_not() -> None:

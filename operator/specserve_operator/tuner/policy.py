@@ -89,9 +89,20 @@ class Acceptance:
         """Mean accepted length of a draft of K (bonus token included): what the MAL floor judges."""
         return expected_tokens(self.alphas, k)
 
-    def step_tokens_by_k(self, max_k: int) -> list[float]:
-        """Tokens per sequence and speculative step for K = 1..max_k: 1 + rate·(E(K) − 1)."""
-        return [1.0 + self.proposal_rate * (e - 1.0) for e in expected_tokens_by_k(self.alphas, max_k)]
+    def step_tokens_by_k(self, max_k: int) -> tuple[float, ...]:
+        """Tokens per sequence and speculative step for K = 1..max_k: 1 + rate·(E(K) − 1). Memoised: a
+        resource's tick asks for them once per bucket and batch it prices."""
+        tokens = self._tokens_by_max_k.get(max_k)
+        if tokens is None:
+            expected = expected_tokens_by_k(self.alphas, max_k)
+            tokens = self._tokens_by_max_k[max_k] = tuple(
+                1.0 + self.proposal_rate * (e - 1.0) for e in expected
+            )
+        return tokens
+
+    @cached_property
+    def _tokens_by_max_k(self) -> dict[int, tuple[float, ...]]:
+        return {}
 
 
 def spec_sequences(s: BucketStats) -> float:
@@ -320,6 +331,7 @@ class CalibratedCost:
     ) -> None:
         self.prior = prior
         self._memo: dict[tuple[str, int, float | None], tuple[float, float]] = {}
+        self._parts_by_k: dict[tuple[str, int, float | None], tuple[float, tuple[float, ...]]] = {}
         # best_k's answers: one resource's tick asks the same bucket several times (its drafters' scores,
         # its table, its cliff), and resources of one group with the same acceptance share them.
         self.choices: dict[tuple[Acceptance, str, int, float | None], BucketChoice] = {}
@@ -428,6 +440,19 @@ class CalibratedCost:
         plain, excess = self._parts(label, k, batch)
         return plain + rate * excess
 
+    def parts_by_k(
+        self, label: str, max_k: int, batch: float | None = None
+    ) -> tuple[float, tuple[float, ...]]:
+        """A plain step's time and the excess of K = 1..max_k for a whole batch drafting (`step_s` is
+        plain + rate·excess): one lookup for a bucket's Ks where best_k prices them all."""
+        key = (label, max_k, batch)
+        parts = self._parts_by_k.get(key)
+        if parts is None:
+            plain = self._parts(label, 0, batch)[0]
+            excess = tuple(self._parts(label, k, batch)[1] for k in range(1, max_k + 1))
+            parts = self._parts_by_k[key] = (plain, excess)
+        return parts
+
     def _parts(self, label: str, k: int, batch: float | None) -> tuple[float, float]:
         """A step's plain time and its excess at K for a whole batch drafting. Memoised without the rate:
         one group's cost serves every resource of that group in a tick, each at its own rate."""
@@ -488,11 +513,10 @@ def best_k(
     key = (acc, label, max_k, batch)
     choice = cost.choices.get(key)
     if choice is None:
-        t0 = cost.step_s(label, 0, batch)
-        tokens = acc.step_tokens_by_k(max_k)
+        t0, excess = cost.parts_by_k(label, max_k, batch)
         rate = acc.proposal_rate
         choice = cost.choices[key] = _best_of(
-            tuple(tokens[k - 1] * t0 / cost.step_s(label, k, batch, rate) for k in range(1, max_k + 1))
+            tuple(t * t0 / (t0 + rate * e) for t, e in zip(acc.step_tokens_by_k(max_k), excess, strict=True))
         )
     return choice
 
@@ -507,8 +531,11 @@ def ceiling_gain(cost: CalibratedCost, label: str, max_k: int) -> float:
 
 def _best_of(gains: tuple[float, ...]) -> BucketChoice:
     """The K (1-based) with the highest gain, the smallest K among equals."""
-    rounded = [round(g, 12) for g in gains]  # a tie within rounding goes to the smaller K
-    k = rounded.index(max(rounded)) + 1
+    # A tie within rounding goes to the smaller K. Rounding is monotone, so the highest rounded gain is the
+    # highest gain's, and only gains within 1e-11 of it can round to it: most are not rounded at all.
+    top = round(max(gains), 12)
+    near = top - 1e-11
+    k = next(k for k, g in enumerate(gains, 1) if g >= near and round(g, 12) == top)
     return BucketChoice(k, gains[k - 1], gains)
 
 
