@@ -129,6 +129,13 @@ SIDECAR_SHADOW_ACCEPTED = Metric(
     (DRAFTER, POSITION),
     "Shadow drafts whose tokens up to and including this position (0-based) all matched the engine's.",
 )
+SIDECAR_SHADOW_ROWS = Metric(
+    "specserve_sidecar_shadow_rows",
+    "counter",
+    (DRAFTER,),
+    "Rows a loaded drafter not in force shadow-drafted for and was scored on, those it had nothing to "
+    "propose for included: shadow drafts at position 0 over these is its proposal rate.",
+)
 
 # --- operator ---------------------------------------------------------------------------------------
 OPERATOR_DECISIONS = Metric(
@@ -172,6 +179,7 @@ SPECSERVE_METRICS: tuple[Metric, ...] = (
     SIDECAR_DRAFTER_ERRORS,
     SIDECAR_SHADOW_PROPOSED,
     SIDECAR_SHADOW_ACCEPTED,
+    SIDECAR_SHADOW_ROWS,
     OPERATOR_DECISIONS,
     OPERATOR_TICK_SECONDS,
     OPERATOR_RECOMMENDED_K,

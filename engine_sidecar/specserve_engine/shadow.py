@@ -49,7 +49,7 @@ def matched_prefix(draft: Sequence[int], actual: np.ndarray) -> int | None:
     return len(draft)
 
 
-ScoreSink = Callable[[str, int, int], None]  # drafter, draft length, matched prefix
+ScoreSink = Callable[[str, int, int], None]  # drafter, draft length (0: nothing to propose), matched prefix
 ErrorSink = Callable[[str, Exception], None]  # drafter, what it raised
 
 
@@ -123,7 +123,12 @@ class ShadowDrafts:
                 self.on_error(drafter.name, exc)
             else:
                 for (seq, _), tokens in zip(todo, kept, strict=True):
-                    if tokens:  # a drafter with nothing to propose drafts nothing live either
+                    if tokens:
                         pending[seq.key] = _Pending(seq.epoch, len(seq.tokens), tokens)
+                    else:
+                        # Nothing to propose (n-gram found no match): live, this row would verify one
+                        # token without a draft. Scored at once as a row without a draft, so that the
+                        # drafts over the rows give its proposal rate.
+                        self.on_score(drafter.name, 0, 0)
             end = self.clock()
             self.next_at[drafter.name] = end + (end - t0) / share

@@ -127,11 +127,14 @@ class SidecarMetrics:
         self.shadow_proposed = Counter(m.name, m.help, m.labels, registry=self.registry)
         m = metric_names.SIDECAR_SHADOW_ACCEPTED
         self.shadow_accepted = Counter(m.name, m.help, m.labels, registry=self.registry)
+        m = metric_names.SIDECAR_SHADOW_ROWS
+        self.shadow_rows = Counter(m.name, m.help, m.labels, registry=self.registry)
         self.labels = bucket_labels(bucket_bounds)
         # The policy changes on the event loop, a drafter fails on a draft thread.
         self._show_lock = threading.Lock()
 
     def shadow_scored(self, drafter: str, length: int, matched: int) -> None:
+        self.shadow_rows.labels(drafter).inc()
         for pos in range(length):
             self.shadow_proposed.labels(drafter, str(pos)).inc()
         for pos in range(matched):

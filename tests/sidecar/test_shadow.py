@@ -80,6 +80,16 @@ def test_a_shadow_draft_is_scored_once_the_engine_produced_its_tokens() -> None:
     assert scores == [("ngram", 4, 2)]  # scored once
 
 
+def test_a_row_with_nothing_to_propose_is_scored_at_once_without_a_draft() -> None:
+    """n-gram finds no match: live, that row verifies without a draft; in the shadow it counts as a row
+    scored with a draft of 0 tokens, so that drafts over rows give the drafter's proposal rate."""
+    shadow, scores, _ = _shadow()
+    ngram, locks = NgramDrafter("ngram", 4), {"ngram": threading.Lock()}
+    shadow.draft([ngram], [(_seq(0, [11, 12, 13, 14]), 4), (_seq(1, PROMPT), 4)], locks)
+    assert scores == [("ngram", 0, 0)]
+    assert set(shadow.pending["ngram"]) == {(1, 1)}
+
+
 def test_drafts_of_rows_that_started_over_or_finished_are_dropped_unscored() -> None:
     shadow, scores, _ = _shadow()
     ngram, locks = NgramDrafter("ngram", 4), {"ngram": threading.Lock()}
@@ -141,6 +151,13 @@ def _shadow_counts(service: SidecarService, drafter: str) -> tuple[list[float], 
     )
 
 
+def _shadow_rows(service: SidecarService, drafter: str) -> float:
+    return (
+        service.metrics.registry.get_sample_value("specserve_sidecar_shadow_rows_total", {"drafter": drafter})
+        or 0.0
+    )
+
+
 async def _run_two_steps(service: SidecarService) -> list[list[list[int]]]:
     """Suffix live; two engine steps on one row whose next tokens match n-gram's first three."""
     table_k = dict.fromkeys(("1", "2", "4", "8", "+Inf"), 4)
@@ -159,6 +176,7 @@ async def test_the_service_counts_shadow_drafts_of_loaded_drafters_not_in_force(
     live = await _run_two_steps(service)
     proposed, accepted = _shadow_counts(service, "ngram")
     assert proposed == [1, 1, 1, 1] and accepted == [1, 1, 1, 0]
+    assert _shadow_rows(service, "ngram") == 1.0  # one row, one draft: a proposal rate of 1
     assert _shadow_counts(service, "suffix") == ([0] * 4, [0] * 4)  # in force: measured live
     assert _shadow_counts(service, "self") == ([0] * 4, [0] * 4)  # a model drafter not loaded: no shadow
     # The live answers are what a sidecar without shadow drafting gives.

@@ -70,6 +70,7 @@ SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     observations.PROPOSED_POS: (metric_names.SPEC_DRAFT_TOKENS_PER_POSITION.series[0], _POSITION_LABELS),
     observations.SHADOW_ACCEPTED_POS: (metric_names.SIDECAR_SHADOW_ACCEPTED.series[0], _POSITION_LABELS),
     observations.SHADOW_PROPOSED_POS: (metric_names.SIDECAR_SHADOW_PROPOSED.series[0], _POSITION_LABELS),
+    observations.SHADOW_ROWS: (metric_names.SIDECAR_SHADOW_ROWS.series[0], ("drafter",)),
 }
 
 

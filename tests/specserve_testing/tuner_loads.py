@@ -24,10 +24,19 @@ def loads_at_prior(bucket_load, prior, k: int = 3, slow: float = 1.0, buckets=BU
 
 
 def shadow_rows(
-    pod: str, drafter: str, alphas: tuple[float, ...], drafts: float = 400.0, namespace: str = "ml"
+    pod: str,
+    drafter: str,
+    alphas: tuple[float, ...],
+    drafts: float = 400.0,
+    namespace: str = "ml",
+    drafted_for: float | None = None,
 ) -> list:
-    """Per-position shadow counts as a sidecar exports them: `drafts` shadow drafts of 4 tokens."""
+    """Per-position shadow counts as a sidecar exports them: `drafts` shadow drafts of 4 tokens, and with
+    `drafted_for`, the rows shadow-drafted for (those without a proposal included)."""
     rows, survival = [], 1.0
+    if drafted_for is not None:
+        labels = {"namespace": namespace, "pod": pod, "drafter": drafter}
+        rows.append((observations.SHADOW_ROWS, labels, drafted_for))
     for pos, alpha in enumerate(alphas):
         survival *= alpha
         labels = {"namespace": namespace, "pod": pod, "drafter": drafter, "position": str(pos)}

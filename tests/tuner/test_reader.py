@@ -81,8 +81,12 @@ def test_decision_from_a_real_prometheus(prometheus_factory, fleet_history, spec
     assert d.mean_accepted_length == pytest.approx(expected_tokens((0.8, 0.75, 0.5), 3), rel=0.02)
 
 
-def _shadow_rows(pod: str, drafter: str, drafts: float, alpha: float, k: int) -> list[observations.Row]:
-    rows: list[observations.Row] = []
+def _shadow_rows(
+    pod: str, drafter: str, drafts: float, alpha: float, k: int, rate: float = 1.0
+) -> list[observations.Row]:
+    rows: list[observations.Row] = [
+        (observations.SHADOW_ROWS, {"namespace": NS, "pod": pod, "drafter": drafter}, drafts / rate)
+    ]
     for pos in range(k):
         labels = {"namespace": NS, "pod": pod, "drafter": drafter, "position": str(pos)}
         rows.append((observations.SHADOW_ACCEPTED_POS, labels, drafts * alpha ** (pos + 1)))
@@ -94,16 +98,16 @@ def _shadow_rows(pod: str, drafter: str, drafts: float, alpha: float, k: int) ->
 def mix_change(rows_for, bucket_load):
     """One pod at batch 1 for ten minutes: code-like traffic (α 0.9 for the draft model in force, 0.8 for
     n-gram's shadow drafts), then prose-like for the last 60 s (α 0.3 and 0.05: n-gram finds next to nothing
-    to copy in prose)."""
+    to copy in prose, and proposes for a quarter of the rows, where it proposed for 80 % in code)."""
 
-    def phase(span_s: float, alpha: float, shadow_alpha: float) -> list[observations.Row]:
+    def phase(span_s: float, alpha: float, shadow_alpha: float, rate: float) -> list[observations.Row]:
         load = bucket_load(batch=1, steps_spec=20 * span_s, step_s_spec=0.02, k=4)
         rows = rows_for(NS, "pod-a", "draft", {"1": load}, alphas=(alpha,) * 4, running=1)
-        return rows + _shadow_rows("pod-a", "ngram", 2 * span_s, shadow_alpha, 4)
+        return rows + _shadow_rows("pod-a", "ngram", 2 * span_s, shadow_alpha, 4, rate)
 
     end = time.time() - 5
     return openmetrics_phases(
-        [(phase(540, 0.9, 0.8), end - 600, end - 60), (phase(60, 0.3, 0.05), end - 60, end)]
+        [(phase(540, 0.9, 0.8, 0.8), end - 600, end - 60), (phase(60, 0.3, 0.05, 0.25), end - 60, end)]
     )
 
 
@@ -130,6 +134,7 @@ def test_acceptance_follows_a_mix_change_within_its_window(
     assert (accs["draft"].source, accs["ngram"].source) == ("measured", "shadow")
     assert accs["draft"].alphas[0] == pytest.approx(0.3, rel=0.02)
     assert accs["ngram"].alphas[0] == pytest.approx(0.05, rel=0.02)
+    assert accs["ngram"].proposal_rate == pytest.approx(0.25, rel=0.02)  # its rows, over the same window
     now = time.time()
     decided = core.decide(view, snap, core.ResourceState.initial(spec), core.FleetCosts([view], snap), now)
     one = PrometheusReader(prom.url, window_s=300, acceptance_window_s=300).read()

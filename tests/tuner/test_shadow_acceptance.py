@@ -47,6 +47,50 @@ def test_shadow_counts_are_folded_per_drafter_and_checked() -> None:
     assert snap.pods[(NS, "pod-a")].shadow == {} and snap.dropped == {observations.DROP_INCONSISTENT: 1}
 
 
+def test_shadow_rows_are_folded_per_drafter_and_checked() -> None:
+    """The rows a drafter shadow-drafted for sum over series per pod and drafter; without a drafter label
+    a row is refused; more shadow drafts than rows cannot be true, and the rows are dropped (the
+    per-position counts stand: without rows the proposal rate is unknown)."""
+    counts = shadow_rows("pod-a", "ngram", (0.9,) * 4, drafted_for=500.0)
+    more = (observations.SHADOW_ROWS, {"namespace": NS, "pod": "pod-a", "drafter": "ngram"}, 300.0)
+    obs = observations.build_snapshot([*counts, more], 300.0).pods[(NS, "pod-a")]
+    assert obs.shadow_rows == {"ngram": 800.0}
+    unnamed = (observations.SHADOW_ROWS, {"namespace": NS, "pod": "pod-a"}, 5.0)
+    assert observations.build_snapshot([unnamed], 300.0).dropped == {observations.DROP_LABELS: 1}
+    snap = observations.build_snapshot(shadow_rows("pod-a", "ngram", (0.9,) * 4, drafted_for=100.0), 300.0)
+    obs = snap.pods[(NS, "pod-a")]
+    assert obs.shadow_rows == {} and obs.shadow["ngram"].proposed_pos[0] == 400.0
+    assert snap.dropped == {observations.DROP_INCONSISTENT: 1}
+
+
+def test_a_shadow_drafter_is_measured_at_its_proposal_rate(spec_factory, rows_for, bucket_load) -> None:
+    """n-gram shadow-drafted for 1,600 rows over two pods and found a match for 400 of them: its shadow
+    acceptance is conditional on proposing, like a live one, and its proposal rate is 0.25, which prices
+    its steps as the live rate does (3/4 of the rows verify one token). Without rows counted (a sidecar
+    that does not count them), or too few, the rate is 1."""
+    spec = spec_factory()
+    view = view_of(spec)
+    drafters = {d.name: d for d in spec.drafters}
+    loads = loads_at_prior(bucket_load, view.prior(spec.drafters[0]))
+    live = rows_for(NS, "pod-a", "draft", loads, alphas=(0.6,) * 8)
+
+    def ngram(drafted_for: float | None) -> policy.Acceptance:
+        rows = live + [
+            row
+            for pod in ("pod-a", "pod-b")
+            for row in shadow_rows(pod, "ngram", (0.9,) * 4, drafts=200.0, drafted_for=drafted_for)
+        ]
+        snap = observations.build_snapshot(rows, 300.0)
+        return core.measured_acceptance(drafters, list(snap.pods.values()))["ngram"]
+
+    rated = ngram(800.0)
+    assert rated.source == "shadow" and rated.proposal_rate == pytest.approx(0.25)
+    assert round(rated.alphas[0], 3) == 0.9
+    assert ngram(None).proposal_rate == ngram(20.0).proposal_rate == 1.0
+    cost = core.FleetCosts([view], observations.build_snapshot(live, 300.0)).cost(view, drafters["ngram"])
+    assert policy.best_k(rated, cost, "1", 4).gain < policy.best_k(ngram(None), cost, "1", 4).gain
+
+
 def test_live_drafts_come_first_and_shadow_drafts_measure_the_others(
     spec_factory, rows_for, bucket_load
 ) -> None:

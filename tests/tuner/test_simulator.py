@@ -530,6 +530,20 @@ def test_shadow_drafts_bring_the_fleet_to_the_drafter_the_traffic_turned_to(
     assert s["specserve"]["tpot_mean_ms"] < 0.97 * s_blind["specserve"]["tpot_mean_ms"]
 
 
+def test_shadow_drafts_report_the_rows_drafted_for(tmp_path: Path) -> None:
+    """On the measured CPU truth n-gram finds a match for only some rows: its sidecars count the rows they
+    shadow-drafted for, so the tuner reads n-gram's shadow acceptance at a proposal rate under 1 (as it
+    reads its live one), while the draft model in force proposes for every row."""
+    write_trace(tmp_path / "code.csv", [(0.0, 2.0, 1.0), (900.0, 2.0, 1.0)])
+    sim = FleetSim(
+        measured_cpu_config(pods=2, policies=("specserve",)), load_trace(tmp_path / "code.csv", tail_s=0.0)
+    )
+    sim.run()
+    seen = {name: acc for name, (acc, _) in sim.state.acceptance_seen.items()}
+    assert sim.state.drafter == "tiny-draft" and seen["tiny-draft"].proposal_rate == 1.0
+    assert seen["ngram"].source == "shadow" and 0.3 < seen["ngram"].proposal_rate < 0.9
+
+
 def test_the_specserve_fleets_counters_add_up_as_an_engines_do(tmp_path: Path) -> None:
     """Speculative step counters carry the K verified, and generated tokens are sequence-steps plus
     accepted tokens: for a drafter that always proposes (the draft model), exactly one draft per

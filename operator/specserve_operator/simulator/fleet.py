@@ -294,6 +294,7 @@ class FleetSim:
         # The sidecars' scores of shadow drafts, per pod, drafter and position (no bucket).
         self.c_shadow_acc = np.zeros((ns, nd, mk))
         self.c_shadow_prop = np.zeros((ns, nd, mk))
+        self.c_shadow_rows = np.zeros((ns, nd))  # rows shadow-drafted for, with a proposal or without
         self.running = np.zeros(ns)
         self.history: deque = deque()
         self.spec = cfg.resource_spec()
@@ -328,6 +329,7 @@ class FleetSim:
                 self.c_prop_pos,
                 self.c_shadow_acc,
                 self.c_shadow_prop,
+                self.c_shadow_rows,
             )
         )
 
@@ -337,7 +339,7 @@ class FleetSim:
         acceptance window)."""
         d = [a - b for a, b in zip(now_c, old_c, strict=True)]
         steps, secs, tokens, drafts, dtok, acc = d[:6]
-        acc_pos, prop_pos, shadow_acc, shadow_prop = (
+        acc_pos, prop_pos, shadow_acc, shadow_prop, shadow_rows = (
             a - b for a, b in zip(now_c[6:], short_c[6:], strict=True)
         )
         recent_steps = (now_c[0] - short_c[0]).sum(axis=(1, 3))  # pod × bucket, over drafters and K
@@ -390,6 +392,8 @@ class FleetSim:
                     pl = {**base, "drafter": name, "position": str(pos)}
                     rows.append((observations.SHADOW_ACCEPTED_POS, pl, shadow_acc[i, j, pos]))
                     rows.append((observations.SHADOW_PROPOSED_POS, pl, shadow_prop[i, j, pos]))
+                if shadow_rows[i, j] > 0:
+                    rows.append((observations.SHADOW_ROWS, {**base, "drafter": name}, shadow_rows[i, j]))
         return rows
 
     def _tick(self, now: float) -> None:
@@ -708,6 +712,8 @@ class FleetSim:
             share = np.minimum(1.0, SHADOW_ROWS / batch[rows]) * SHADOW_EVERY
             pod = rows - first
             proposed = self.library.proposed(span) * share
+            # Every step of the span is a row drafted for: those without a proposal are scored as such.
+            np.add.at(self.c_shadow_rows, (pod, j), slot_steps[sel] * share)
             for pos in range(int(self.k_cap[j])):
                 np.add.at(self.c_shadow_prop, (pod, j, pos), proposed)
                 np.add.at(self.c_shadow_acc, (pod, j, pos), self.library.accepted_at(pos, span) * share)

@@ -483,20 +483,25 @@ def measured_acceptance(
             if any(name in obs.refused_drafters for obs in observations):
                 acc = dataclasses.replace(acc, source=REFUSED)
             else:
-                shadow = policy.acceptance(_pooled_shadow(observations, name), d.max_speculative_tokens)
+                stats, rows = _pooled_shadow(observations, name)
+                shadow = policy.acceptance(stats, d.max_speculative_tokens)
                 if shadow.source == "measured":
-                    acc = dataclasses.replace(shadow, source="shadow")
+                    rate = policy.shadow_proposal_rate(stats, rows)
+                    acc = dataclasses.replace(shadow, source="shadow", proposal_rate=rate)
         accs[name] = acc
     return accs
 
 
-def _pooled_shadow(observations: list[PodObservation], drafter: str) -> BucketStats:
-    stats = BucketStats()
+def _pooled_shadow(observations: list[PodObservation], drafter: str) -> tuple[BucketStats, float]:
+    """A drafter's shadow counts over the resource's pods, and the rows they drafted for (pods whose
+    sidecar counts them: with a pod that does not, the rows are too few and the rate unknown)."""
+    stats, rows = BucketStats(), 0.0
     for obs in observations:
         shadow = obs.shadow.get(drafter)
         if shadow is not None:
             stats.add(shadow)
-    return stats
+            rows += obs.shadow_rows.get(drafter, 0.0)
+    return stats, rows
 
 
 def recalled_acceptance(

@@ -38,6 +38,7 @@ VLLM_ACCEPTED = "vllm_accepted"
 DRAFTER_ERRORS = "drafter_errors"
 SHADOW_ACCEPTED_POS = "shadow_accepted_pos"  # the sidecar's shadow drafts (docs/policy.md)
 SHADOW_PROPOSED_POS = "shadow_proposed_pos"
+SHADOW_ROWS = "shadow_rows"  # rows shadow-drafted for, with a proposal or without: the proposal rate's base
 RECENT_STEPS = "recent_steps"  # steps per bucket over the acceptance window: the batch mix now
 ALL_BUCKETS = "*"  # the bucket of counters summed over buckets
 
@@ -182,8 +183,10 @@ class PodObservation:
     # Spec counters split by the drafter that made the drafts (a canary pod may have run two).
     by_drafter: dict[str, dict[str, BucketStats]] = field(default_factory=dict)
     drafter_errors: dict[str, float] = field(default_factory=dict)  # drafter → failed draft calls
-    # Per-position counts of the sidecar's shadow drafts, by drafter (loaded drafters not in force).
+    # Per-position counts of the sidecar's shadow drafts, by drafter (loaded drafters not in force), and
+    # the rows each shadow-drafted for (drafts at position 0 over these: its proposal rate).
     shadow: dict[str, BucketStats] = field(default_factory=dict)
+    shadow_rows: dict[str, float] = field(default_factory=dict)
     failed_drafters: set[str] = field(default_factory=set)  # drafters the sidecar reports failed
     recent_steps: dict[str, float] = field(default_factory=dict)  # bucket → steps in the acceptance window
     # Drafters some of whose draft, per-position or shadow counters were refused in this read.
@@ -247,6 +250,7 @@ _KINDS = frozenset(
         *_SPEC_KINDS,
         *_POSITION_KINDS,
         *_SHADOW_KINDS,
+        SHADOW_ROWS,
         *_FALLBACK_KINDS,
         POLICY_INFO,
         RUNNING,
@@ -261,7 +265,7 @@ _RULES = {
         kind in _BUCKET_KINDS,
         kind in _ENGINE_KINDS,
         kind in _POSITION_KINDS | _SHADOW_KINDS,
-        kind in _SHADOW_KINDS,
+        kind in _SHADOW_KINDS or kind == SHADOW_ROWS,
     )
     for kind in _KINDS
 }
@@ -307,7 +311,7 @@ def _taint(kind: str, labels: dict[str, str]) -> tuple:
         return ("drafts", labels.get("drafter", ""), labels.get("bucket", ""))
     if kind in _POSITION_KINDS:
         return ("positions", labels.get("drafter", ""))
-    if kind in _SHADOW_KINDS:
+    if kind in _SHADOW_KINDS or kind == SHADOW_ROWS:
         return ("shadow", labels.get("drafter", ""))
     return ("other",)
 
@@ -336,6 +340,7 @@ def _untaint(obs: PodObservation, tainted: Iterable[tuple]) -> None:
         elif what == "shadow":
             obs.refused_drafters.add(taint[1])
             obs.shadow.pop(taint[1], None)
+            obs.shadow_rows.pop(taint[1], None)
 
 
 def _row_problem(kind: str, labels: dict[str, str], value: float) -> str | None:
@@ -440,6 +445,8 @@ def _fold(obs: PodObservation, kind: str, labels: dict[str, str], value: float) 
         attr = _FALLBACK_KINDS[kind]
         setattr(fb, attr, getattr(fb, attr) + value)
         obs.fallback = fb
+    elif kind == SHADOW_ROWS:
+        obs.shadow_rows[labels["drafter"]] = obs.shadow_rows.get(labels["drafter"], 0.0) + value
     elif kind == RECENT_STEPS:
         obs.recent_steps[bucket] = obs.recent_steps.get(bucket, 0.0) + value
     elif kind == DRAFTER_ERRORS:
@@ -469,10 +476,21 @@ def _check(obs: PodObservation, snap: FleetSnapshot) -> None:
         snap.drop(DROP_INCONSISTENT)
         obs.dropped += 1
         del obs.shadow[name]
+    # More shadow drafts than rows drafted for: the rows cannot be the base of a proposal rate.
+    for name in [n for n, rows in obs.shadow_rows.items() if not _at_most(_shadow_drafts(obs, n), rows)]:
+        snap.drop(DROP_INCONSISTENT)
+        obs.dropped += 1
+        del obs.shadow_rows[name]
     if obs.fallback is not None and _spec_contradiction(obs.fallback):
         snap.drop(DROP_INCONSISTENT)
         obs.dropped += 1
         obs.fallback = None
+
+
+def _shadow_drafts(obs: PodObservation, drafter: str) -> float:
+    """A drafter's shadow drafts in a pod: those with a token at position 0."""
+    shadow = obs.shadow.get(drafter)
+    return shadow.proposed_pos.get(0, 0.0) if shadow is not None else 0.0
 
 
 def _step_time_fault(steps: float, seconds: float) -> str | None:

@@ -59,7 +59,8 @@ def spec_query(window_s: float, acceptance_window_s: float) -> str:
     """Drafts, draft tokens and accepted tokens per pod, bucket and drafter; accepted and proposed per
     position per pod and drafter (pooled over buckets: acceptance is a property of traffic, not load);
     failed draft calls per pod and drafter (the sidecar's count of drafter errors); the sidecar's shadow
-    drafts per pod, drafter and position. The per-position counts, live and shadow, cover the short
+    drafts per pod, drafter and position, and the rows it shadow-drafted for per pod and drafter (the
+    base of a shadow drafter's proposal rate). The per-position counts, live and shadow, cover the short
     acceptance window (observations.acceptance_window_of): they are what the tuner reads acceptance
     from, and acceptance follows the traffic mix within seconds."""
     w, short = _window(window_s), _window(acceptance_window_s)
@@ -87,6 +88,10 @@ def spec_query(window_s: float, acceptance_window_s: float) -> str:
         _tagged(
             observations.SHADOW_PROPOSED_POS,
             _increase(metric_names.SIDECAR_SHADOW_PROPOSED.series[0], by_pos, short),
+        ),
+        _tagged(
+            observations.SHADOW_ROWS,
+            _increase(metric_names.SIDECAR_SHADOW_ROWS.series[0], by_drafter, short),
         ),
     ]
     return " or ".join(parts)
