@@ -493,8 +493,9 @@ def measured_acceptance(
 
 
 def _pooled_shadow(observations: list[PodObservation], drafter: str) -> tuple[BucketStats, float]:
-    """A drafter's shadow counts over the resource's pods, and the rows they drafted for (pods whose
-    sidecar counts them: with a pod that does not, the rows are too few and the rate unknown)."""
+    """A drafter's shadow counts over the resource's pods, and the rows they drafted for. A pod whose
+    sidecar does not count rows adds drafts without rows: while such pods remain, the rate reads high
+    (at most 1, what it read before rows were counted)."""
     stats, rows = BucketStats(), 0.0
     for obs in observations:
         shadow = obs.shadow.get(drafter)
