@@ -235,6 +235,7 @@ _ENGINE_KINDS = {STEPS: "steps", STEP_SECONDS: "seconds", TOKENS: "tokens"}
 _SPEC_KINDS = frozenset((DRAFTS, DRAFT_TOKENS, ACCEPTED))
 _POSITION_KINDS = frozenset((ACCEPTED_POS, PROPOSED_POS))
 _SHADOW_KINDS = frozenset((SHADOW_ACCEPTED_POS, SHADOW_PROPOSED_POS))
+_SHADOW_DRAFTER_KINDS = _SHADOW_KINDS | {SHADOW_ROWS}  # a drafter's shadow counters: each needs its label
 _BUCKET_KINDS = frozenset((*_ENGINE_KINDS, *_SPEC_KINDS, RECENT_STEPS))  # rows per batch-size bucket
 _BY_K = {STEPS: "steps_by_k", STEP_SECONDS: "seconds_by_k"}  # the engine counters also kept per K
 # A bucket's engine counters of each side, plain then speculative (indexed by `speculating`), by attribute
@@ -249,8 +250,7 @@ _KINDS = frozenset(
         *_ENGINE_KINDS,
         *_SPEC_KINDS,
         *_POSITION_KINDS,
-        *_SHADOW_KINDS,
-        SHADOW_ROWS,
+        *_SHADOW_DRAFTER_KINDS,
         *_FALLBACK_KINDS,
         POLICY_INFO,
         RUNNING,
@@ -265,7 +265,7 @@ _RULES = {
         kind in _BUCKET_KINDS,
         kind in _ENGINE_KINDS,
         kind in _POSITION_KINDS | _SHADOW_KINDS,
-        kind in _SHADOW_KINDS or kind == SHADOW_ROWS,
+        kind in _SHADOW_DRAFTER_KINDS,
     )
     for kind in _KINDS
 }
@@ -311,7 +311,7 @@ def _taint(kind: str, labels: dict[str, str]) -> tuple:
         return ("drafts", labels.get("drafter", ""), labels.get("bucket", ""))
     if kind in _POSITION_KINDS:
         return ("positions", labels.get("drafter", ""))
-    if kind in _SHADOW_KINDS or kind == SHADOW_ROWS:
+    if kind in _SHADOW_DRAFTER_KINDS:
         return ("shadow", labels.get("drafter", ""))
     return ("other",)
 

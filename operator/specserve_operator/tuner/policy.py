@@ -115,16 +115,19 @@ def spec_sequences(s: BucketStats) -> float:
 
 def proposal_rate(s: BucketStats) -> float:
     """Drafts over the sequences of speculative steps (`spec_sequences`); 1 with too few to tell."""
-    rows = spec_sequences(s)
-    return min(1.0, s.drafts / rows) if rows >= MIN_DRAFTS and s.drafts > 0 else 1.0
+    return _drafted_share(s.drafts, spec_sequences(s))
+
+
+def _drafted_share(drafts: float, rows: float) -> float:
+    """Drafts over the rows that could have had one, at most 1; 1 with fewer than MIN_DRAFTS rows."""
+    return min(1.0, drafts / rows) if rows >= MIN_DRAFTS and drafts > 0 else 1.0
 
 
 def shadow_proposal_rate(stats: BucketStats, rows: float) -> float:
     """A shadow drafter's share of rows with a draft: its drafts (position 0) over the rows it drafted for,
     those it had nothing to propose for included; 1 with fewer than MIN_DRAFTS rows counted (a sidecar
     that does not count them). Its per-position counts are conditional on proposing, as live drafts are."""
-    drafts = stats.proposed_pos.get(0, 0.0)
-    return min(1.0, drafts / rows) if rows >= MIN_DRAFTS and drafts > 0 else 1.0
+    return _drafted_share(stats.proposed_pos.get(0, 0.0), rows)
 
 
 def acceptance(stats: BucketStats, max_k: int, fallback: BucketStats | None = None) -> Acceptance:
