@@ -119,7 +119,8 @@ def proposal_rate(s: BucketStats) -> float:
 
 
 def _drafted_share(drafts: float, rows: float) -> float:
-    """Drafts over the rows that could have had one, at most 1; 1 with fewer than MIN_DRAFTS rows."""
+    """Drafts over the rows that could have had one, at most 1; 1 with fewer than MIN_DRAFTS rows or no
+    drafts (nothing to tell a rate from)."""
     return min(1.0, drafts / rows) if rows >= MIN_DRAFTS and drafts > 0 else 1.0
 
 
