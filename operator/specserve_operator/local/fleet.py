@@ -58,6 +58,7 @@ from specserve_operator.local.sweep import (
     best_static_table,
     sweep_candidates,
     sweep_shapes,
+    window_tokens_per_s,
 )
 from specserve_operator.local.traffic import Phase, TrafficPattern
 from specserve_operator.local.view import ViewState
@@ -399,8 +400,8 @@ async def _sweep(
                 phase = Phase(RUN_SWEEP, s.opts.sweep_point_s, shape.concurrency, shape.code_fraction)
                 s.say(f"sweep {n + 1}/{rounds}: {_candidate_name(candidate)} at {_shape_name(shape)}")
                 records = await loadgen.run(RUN_SWEEP, TrafficPattern((phase,)))
-                tokens = sum(r.completion_tokens for r in records if r.ok and r.end_s < s.opts.sweep_point_s)
-                points.append(SweepPoint(shape, candidate, tokens / s.opts.sweep_point_s))
+                tokens_per_s = window_tokens_per_s(records, s.opts.sweep_point_s)
+                points.append(SweepPoint(shape, candidate, tokens_per_s))
     table = best_static_table(points, pattern, spec.speculation.batch_buckets)
     s.say(f"best static table: {table.drafter} {table.k_by_bucket}")
     return SweepResult(points, table)
