@@ -9,7 +9,9 @@ changes between code-like and prose-like prompts as well as load, compared per p
 Runs `--sessions` sessions one after the other (`--add` keeps those already in the results file) and
 writes benchmarks/results/local_fleet.json (every session's figures from its data.json, and per phase
 the median and range over sessions) and local_fleet.png (the last session's tokens-per-second plot),
-and prints the per-phase table.
+and prints the per-phase table. `--from-kept RUN...` re-reads sessions kept with `--keep` with the
+current code instead of running new ones (after a change to how phases are counted): it re-renders each
+session's report and rewrites the results file from them, each session's wall time carried over.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from specserve_operator.local.report import (
     load_report_input,
     phase_goals,
     phase_stats,
+    write_report,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,6 +185,25 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _from_kept(run_dirs: list[Path], results: Path, parser: argparse.ArgumentParser) -> None:
+    previous = _previous_sessions(results)
+    if len(previous) != len(run_dirs):
+        parser.error(
+            f"--from-kept: {len(run_dirs)} run folder(s) for the {len(previous)} session(s) in {results}"
+        )
+    sessions = []
+    for run_dir, before in zip(run_dirs, previous, strict=True):
+        data_json = run_dir / "report" / "data.json"
+        if not data_json.is_file():
+            parser.error(f"--from-kept: {run_dir} has no report/data.json (not a kept run folder)")
+        write_report(data_json.parent, load_report_input(data_json))
+        sessions.append(summarise(run_dir, before["wall_s"]))
+    shutil.copy(run_dirs[-1] / "report" / "tokens_per_s.png", results.parent / "local_fleet.png")
+    summary = combine(sessions, json.loads(results.read_text())["setup"]["command"].split())
+    results.write_text(json.dumps(summary, indent=1) + "\n")
+    print(table(summary))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -196,8 +218,19 @@ def main() -> None:
         type=Path,
         help="copy each session's run folder (Prometheus data, logs, report) here, to look into later",
     )
+    parser.add_argument(
+        "--from-kept",
+        type=Path,
+        nargs="+",
+        metavar="RUN",
+        help="re-read these run folders kept with --keep (the results file's sessions, in its order) "
+        "instead of running sessions",
+    )
     args = parser.parse_args()
     results = args.out / "local_fleet.json"
+    if args.from_kept:
+        _from_kept(args.from_kept, results, parser)
+        return
     sessions = _previous_sessions(results) if args.add else []
     specserve = Path(sys.executable).parent / "specserve"
     shown: list[str] = []

@@ -8,9 +8,10 @@ import random
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
 from aiohttp import web
 
-from specserve_operator.local.loadgen import LoadGenerator
+from specserve_operator.local.loadgen import LoadGenerator, RequestRecord, window_tokens_per_s
 from specserve_operator.local.traffic import parse_pattern
 
 
@@ -132,3 +133,20 @@ def test_the_default_client_keep_alive_is_below_the_engines() -> None:
     from vllm import envs
 
     assert LoadGenerator.idle_connection_s < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+
+
+def _request(start_s: float, end_s: float, tokens: int, ok: bool = True) -> RequestRecord:
+    return RequestRecord("sweep", "r0", "code", "sweep", start_s, end_s, tokens, ok)
+
+
+def test_a_window_counts_the_part_of_each_request_inside_it() -> None:
+    # Requests that all outlast a short window still generated tokens in it: it must not read zero.
+    assert window_tokens_per_s([_request(0.0, 4.0, 40), _request(0.0, 6.0, 48)], 0.0, 3.0) == (30 + 24) / 3
+    # Inside: counted whole; failed: not at all; straddling either edge: the part inside.
+    records = [
+        _request(1.0, 2.0, 20),
+        _request(1.5, 2.0, 10, ok=False),
+        _request(0.0, 2.0, 30),
+        _request(2.0, 5.0, 30),
+    ]
+    assert window_tokens_per_s(records, 1.0, 3.0) == pytest.approx((20 + 15 + 10) / 2)

@@ -97,9 +97,9 @@ def _records() -> list[RequestRecord]:
     ]
 
 
-def test_phase_stats_count_tokens_by_finish_time() -> None:
+def test_phase_stats_count_the_tokens_generated_inside_each_phase() -> None:
     stats = phase_stats(_records(), "specserve", PATTERN)
-    assert [s.tokens for s in stats] == [40, 50, 0]
+    assert [s.tokens_per_s for s in stats] == [4.0, 5.0, 0.0]
     assert [s.requests for s in stats] == [2, 2, 0]
     assert [s.failed for s in stats] == [0, 1, 0]
     assert stats[0].tokens_per_s == 4.0
@@ -107,6 +107,12 @@ def test_phase_stats_count_tokens_by_finish_time() -> None:
     assert stats[2].ms_per_token is None
     off = phase_stats(_records(), "off", PATTERN.scaled(0.5))
     assert off[0].tokens_per_s == 8.0
+    # A busy phase's last request still running when the quiet phase starts: three quarters of its tokens
+    # were generated in the busy phase; it counts as a request (and for latency) of the phase it ended in.
+    tail = RequestRecord("specserve", "pod-0", "code", "busy", 17.0, 21.0, 40, True)
+    stats = phase_stats([*_records(), tail], "specserve", PATTERN)
+    assert [s.tokens_per_s for s in stats] == [4.0, 8.0, 1.0]
+    assert [s.requests for s in stats] == [2, 2, 1]
 
 
 def _input() -> ReportInput:

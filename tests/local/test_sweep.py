@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from specserve_operator.local.loadgen import RequestRecord
 from specserve_operator.local.sweep import (
     Candidate,
     Shape,
@@ -14,7 +13,6 @@ from specserve_operator.local.sweep import (
     median_tokens_per_s,
     sweep_candidates,
     sweep_shapes,
-    window_tokens_per_s,
 )
 from specserve_operator.local.traffic import parse_pattern
 
@@ -96,17 +94,3 @@ def test_a_candidate_measured_in_rounds_counts_at_its_median() -> None:
     assert (table.k_by_bucket["1"], table.k_by_bucket["16"]) == (1, 0)
     assert table.predicted_tokens == pytest.approx(60 * 150 + 60 * 900)
     assert best_static_table(_points(rounds[0]), pattern, BOUNDS).k_by_bucket["16"] == 1
-
-
-def _request(start_s: float, end_s: float, tokens: int, ok: bool = True) -> RequestRecord:
-    return RequestRecord("sweep", "r0", "code", "sweep", start_s, end_s, tokens, ok)
-
-
-def test_a_point_counts_the_part_of_each_request_inside_its_window() -> None:
-    # Requests that all outlast the window still generated tokens in it: the point must not read zero.
-    assert window_tokens_per_s([_request(0.0, 4.0, 40), _request(0.0, 6.0, 48)], 3.0) == pytest.approx(
-        (30 + 24) / 3
-    )
-    # Finished inside: counted whole; failed: not at all; one that ran 2-5 s: two thirds of its tokens.
-    records = [_request(0.0, 2.0, 20), _request(0.5, 1.0, 10, ok=False), _request(2.0, 5.0, 30)]
-    assert window_tokens_per_s(records, 3.0) == pytest.approx((20 + 10) / 3)

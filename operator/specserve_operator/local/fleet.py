@@ -33,7 +33,7 @@ from specserve_engine.launch import EngineProcess, free_port, start_engine
 from specserve_engine.processes import GroupProcess, group_rss_bytes
 from specserve_operator.local import preflight
 from specserve_operator.local.errors import LocalFleetError
-from specserve_operator.local.loadgen import LoadGenerator
+from specserve_operator.local.loadgen import LoadGenerator, window_tokens_per_s
 from specserve_operator.local.observe import FleetObserver, scrape_jobs
 from specserve_operator.local.plan import FleetPlan, load_manifest, plan_fleet
 from specserve_operator.local.prometheus import PrometheusError, PrometheusProcess
@@ -58,7 +58,6 @@ from specserve_operator.local.sweep import (
     best_static_table,
     sweep_candidates,
     sweep_shapes,
-    window_tokens_per_s,
 )
 from specserve_operator.local.traffic import Phase, TrafficPattern
 from specserve_operator.local.view import ViewState
@@ -400,7 +399,7 @@ async def _sweep(
                 phase = Phase(RUN_SWEEP, s.opts.sweep_point_s, shape.concurrency, shape.code_fraction)
                 s.say(f"sweep {n + 1}/{rounds}: {_candidate_name(candidate)} at {_shape_name(shape)}")
                 records = await loadgen.run(RUN_SWEEP, TrafficPattern((phase,)))
-                tokens_per_s = window_tokens_per_s(records, s.opts.sweep_point_s)
+                tokens_per_s = window_tokens_per_s(records, 0.0, s.opts.sweep_point_s)
                 points.append(SweepPoint(shape, candidate, tokens_per_s))
     table = best_static_table(points, pattern, spec.speculation.batch_buckets)
     s.say(f"best static table: {table.drafter} {table.k_by_bucket}")

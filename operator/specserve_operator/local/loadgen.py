@@ -31,6 +31,20 @@ class RequestRecord:
     error: str | None = None
 
 
+def window_tokens_per_s(records: Sequence[RequestRecord], start_s: float, end_s: float) -> float:
+    """Tokens per second generated in [start_s, end_s): each successful request's tokens spread evenly
+    over its own span and counted for the part inside the window. Counting only the requests that finished
+    inside credits a whole request to the window it ends in: after a busy phase, the requests still in
+    flight land in the next phase, whose tokens/s then depends on its length (comparison runs are
+    shorter), and a window shorter than every request reads zero."""
+    tokens = 0.0
+    for r in records:
+        inside = min(r.end_s, end_s) - max(r.start_s, start_s)
+        if r.ok and r.completion_tokens > 0 and inside > 0:
+            tokens += r.completion_tokens * inside / (r.end_s - r.start_s)
+    return tokens / (end_s - start_s)
+
+
 @dataclass
 class LoadProgress:
     run: str

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specserve_engine.buckets import INF
-from specserve_operator.local.loadgen import RequestRecord
+from specserve_operator.local.loadgen import RequestRecord, window_tokens_per_s
 from specserve_operator.local.samples import DecisionRecord, FleetSample, to_jsonable
 from specserve_operator.local.sweep import Candidate, Shape, StaticTable, SweepPoint, tokens_per_s_by_round
 from specserve_operator.local.traffic import TrafficPattern
@@ -45,19 +45,20 @@ class PhaseStat:
     duration_s: float
     requests: int
     failed: int
-    tokens: int
     tokens_per_s: float
     ms_per_token: float | None  # mean over requests of request latency / completion tokens
 
 
 def phase_stats(records: Sequence[RequestRecord], run: str, pattern: TrafficPattern) -> list[PhaseStat]:
-    """Per phase of one run: tokens of the requests that finished inside the phase, per second of phase."""
+    """Per phase of one run: the tokens generated inside the phase per second of phase (each request's
+    spread over its span, `window_tokens_per_s`); requests, failures and latency of the requests that
+    finished inside it."""
     out: list[PhaseStat] = []
     mine = [r for r in records if r.run == run]
     for at in pattern.boundaries():
         inside = [r for r in mine if at.start_s <= r.end_s < at.end_s]
         ok = [r for r in inside if r.ok]
-        tokens = sum(r.completion_tokens for r in ok)
+        tokens_per_s = window_tokens_per_s(mine, at.start_s, at.end_s)
         per_token = [(r.end_s - r.start_s) * 1000 / r.completion_tokens for r in ok if r.completion_tokens]
         out.append(
             PhaseStat(
@@ -68,8 +69,7 @@ def phase_stats(records: Sequence[RequestRecord], run: str, pattern: TrafficPatt
                 duration_s=at.phase.duration_s,
                 requests=len(inside),
                 failed=len(inside) - len(ok),
-                tokens=tokens,
-                tokens_per_s=tokens / at.phase.duration_s,
+                tokens_per_s=tokens_per_s,
                 ms_per_token=sum(per_token) / len(per_token) if per_token else None,
             )
         )

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve_engine.buckets import bucket_for, bucket_labels
-from specserve_operator.local.loadgen import RequestRecord
 from specserve_operator.local.traffic import Phase, TrafficPattern
 
 
@@ -102,21 +101,6 @@ def tokens_per_s_by_round(points: Sequence[SweepPoint]) -> dict[tuple[Shape, Can
     for p in points:
         rounds.setdefault((p.shape, p.candidate), []).append(p.tokens_per_s)
     return rounds
-
-
-def window_tokens_per_s(records: Sequence[RequestRecord], window_s: float) -> float:
-    """Tokens per second generated in [0, window_s): each successful request's tokens spread evenly over
-    its own span and counted for the part inside the window. Counting only requests that finished inside
-    would read zero for a candidate whose requests all outlast a short point (concurrency 16 at K 4 on a
-    slow moment), and undercount every candidate by up to a request's length."""
-    tokens = 0.0
-    for r in records:
-        if not r.ok or r.completion_tokens <= 0:
-            continue
-        inside = min(r.end_s, window_s) - max(r.start_s, 0.0)
-        if inside > 0:
-            tokens += r.completion_tokens * inside / (r.end_s - r.start_s)
-    return tokens / window_s
 
 
 def median_tokens_per_s(points: Sequence[SweepPoint]) -> dict[tuple[Shape, Candidate], float]:
