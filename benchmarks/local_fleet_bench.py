@@ -191,11 +191,12 @@ def _from_kept(run_dirs: list[Path], results: Path, parser: argparse.ArgumentPar
         parser.error(
             f"--from-kept: {len(run_dirs)} run folder(s) for the {len(previous)} session(s) in {results}"
         )
+    missing = [str(d) for d in run_dirs if not (d / "report" / "data.json").is_file()]
+    if missing:
+        parser.error(f"--from-kept: no report/data.json in {', '.join(missing)} (not kept run folders)")
     sessions = []
     for run_dir, before in zip(run_dirs, previous, strict=True):
         data_json = run_dir / "report" / "data.json"
-        if not data_json.is_file():
-            parser.error(f"--from-kept: {run_dir} has no report/data.json (not a kept run folder)")
         write_report(data_json.parent, load_report_input(data_json))
         sessions.append(summarise(run_dir, before["wall_s"]))
     shutil.copy(run_dirs[-1] / "report" / "tokens_per_s.png", results.parent / "local_fleet.png")
